@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Launch torchplex training with torchrun, torchtitan style:
+#
+#   ./run_train.sh                                        # CPU debug run (train_configs/debug.toml)
+#   NGPU=8 CONFIG_FILE=./train_configs/qwen2_5_vl_7b.toml ./run_train.sh --training.steps 100
+#
+# Environment:
+#   NGPU          processes per node (default 1)
+#   NNODES        nodes (default 1); for NNODES > 1 also set RDZV_ENDPOINT=<host of node 0>:<port>
+#   CONFIG_FILE   TOML config; a path relative to where you call from, or to this folder (default debug.toml)
+#   LOG_RANK      local ranks whose output is shown, comma separated (default 0); all ranks log to files
+#   PYTHON        interpreter; default: this repo's .venv/bin/python when it exists and no venv is
+#                 active, else `python` on PATH (so an activated venv or conda env always wins)
+#   TRAIN_MODULE  module to run (default torchplex.train; tests swap in a stub)
+# Extra arguments are config overrides (--section.key=value) and win over the file.
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+NGPU=${NGPU:-1}
+NNODES=${NNODES:-1}
+LOG_RANK=${LOG_RANK:-0}
+RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}  # port 0: the c10d store picks a free one (single node)
+TRAIN_MODULE=${TRAIN_MODULE:-torchplex.train}
+
+# Resolve a CONFIG_FILE given relative to the caller's folder before moving to the repo root, so both
+# `CONFIG_FILE=my.toml ./path/to/run_train.sh` and the repo-relative default work from anywhere.
+if [[ -n "${CONFIG_FILE:-}" && -f "${CONFIG_FILE}" ]]; then
+    CONFIG_FILE="$(cd "$(dirname "${CONFIG_FILE}")" && pwd)/$(basename "${CONFIG_FILE}")"
+fi
+CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug.toml}
+
+# Run from the repo root: `-m torchplex.train` and the configs' relative paths (outputs/, runs/) resolve here.
+cd "${SCRIPT_DIR}"
+
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -z "${VIRTUAL_ENV:-}" && -x "${SCRIPT_DIR}/.venv/bin/python" ]]; then
+        PYTHON="${SCRIPT_DIR}/.venv/bin/python"
+    else
+        PYTHON=python
+    fi
+fi
+
+# `python -m torch.distributed.run` is `torchrun`, bound to the interpreter chosen above.
+exec "${PYTHON}" -m torch.distributed.run \
+    --nproc_per_node="${NGPU}" --nnodes="${NNODES}" \
+    --rdzv_backend c10d --rdzv_endpoint="${RDZV_ENDPOINT}" \
+    --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
+    -m "${TRAIN_MODULE}" --job.config_file "${CONFIG_FILE}" "$@"

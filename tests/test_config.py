@@ -1,0 +1,297 @@
+"""Specification of torchplex.config: defaults < TOML file < command line, strict keys and types, TOML round trip."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from torchplex.config import Config, ConfigError, load_config, to_toml
+from torchplex.models.qwen2_5_vl.args import FLAVORS
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_CONFIGS = sorted((REPO / "train_configs").glob("*.toml"))
+
+
+def write_toml(tmp_path: Path, text: str, name: str = "cfg.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def load_file(path: str, *overrides: str) -> Config:
+    return load_config(["--job.config_file", path, *overrides])
+
+
+# ---- defaults and the file -------------------------------------------------------------------------------------
+def test_no_arguments_give_the_dataclass_defaults():
+    cfg = load_config([])
+    assert cfg == Config()
+    # spot-check the documented CPU-debug defaults
+    assert (cfg.model.flavor, cfg.model.dtype, cfg.runtime.mode) == ("debug", "float32", "serial")
+    assert (cfg.rollout.n_samples, cfg.rollout.max_new_tokens, cfg.optimizer.lr) == (8, 32, 1e-5)
+    assert (cfg.reward.functions, cfg.reward.weights) == (["accuracy", "format"], [1.0, 0.1])
+    assert cfg.parallelism.dp_shard == -1 and cfg.job.config_file == ""
+
+
+def test_toml_values_replace_defaults_and_other_keys_keep_theirs(tmp_path):
+    path = write_toml(tmp_path, """
+[training]
+steps = 123
+[optimizer]
+lr = 3e-6
+weight_decay = 1          # an int is accepted where a float is declared
+[reward]
+functions = ["accuracy"]
+weights = [2]
+[algorithm]
+advantage = "rloo"
+""")
+    cfg = load_file(path)
+    assert cfg.training.steps == 123
+    assert cfg.optimizer.lr == 3e-6
+    assert cfg.optimizer.weight_decay == 1.0 and isinstance(cfg.optimizer.weight_decay, float)
+    assert (cfg.reward.functions, cfg.reward.weights) == (["accuracy"], [2.0])
+    assert cfg.algorithm.advantage == "rloo"
+    assert cfg.job.config_file == path
+    assert cfg.training.sft_lr == Config().training.sft_lr  # untouched key keeps its default
+
+
+# ---- command-line overrides ------------------------------------------------------------------------------------
+FILE_FOR_OVERRIDES = """
+[job]
+name = "from_file"
+[training]
+steps = 5
+[optimizer]
+lr = 1e-4
+[model]
+compile = true
+dtype = "bfloat16"
+[reward]
+functions = ["accuracy", "format"]
+weights = [1.0, 0.1]
+"""
+
+
+@pytest.mark.parametrize("override, section, key, expected", [
+    ("--training.steps=77", "training", "steps", 77),                        # int
+    ("--optimizer.lr=2.5e-7", "optimizer", "lr", 2.5e-7),                    # float
+    ("--model.compile=false", "model", "compile", False),                    # bool
+    ("--job.name=from_cli", "job", "name", "from_cli"),                      # str
+    ("--model.dtype=float32", "model", "dtype", "float32"),                  # enumerated str
+    ("--reward.functions=format,accuracy", "reward", "functions", ["format", "accuracy"]),  # list, comma separated
+    ("--reward.weights=[0.5, 2]", "reward", "weights", [0.5, 2.0]),          # list, TOML array
+])
+def test_command_line_override_wins_over_the_file(tmp_path, override, section, key, expected):
+    path = write_toml(tmp_path, FILE_FOR_OVERRIDES)
+    file_value = getattr(getattr(load_file(path), section), key)
+    assert file_value != expected  # the override must change something to prove it won
+    for argv in ([override], override.split("=", 1)):  # both --k=v and --k v spellings
+        cfg = load_file(path, *argv)
+        assert getattr(getattr(cfg, section), key) == expected
+
+
+@pytest.mark.parametrize("text, expected", [("true", True), ("false", False), ("1", True), ("0", False),
+                                            ("TRUE", True)])
+def test_bool_override_accepts_true_false_1_0(text, expected):
+    assert load_config(["--checkpoint.enable", text]).checkpoint.enable is expected
+
+
+def test_bare_bool_flag_means_true_and_negative_numbers_are_values():
+    cfg = load_config(["--checkpoint.enable", "--parallelism.dp_shard", "-1", "--training.steps", "3"])
+    assert cfg.checkpoint.enable is True
+    assert (cfg.parallelism.dp_shard, cfg.training.steps) == (-1, 3)
+
+
+def test_later_override_of_the_same_key_wins():
+    assert load_config(["--training.steps=1", "--training.steps=2"]).training.steps == 2
+
+
+def test_config_file_is_read_before_overrides_wherever_it_appears(tmp_path):
+    path = write_toml(tmp_path, "[training]\nsteps = 5\n")
+    assert load_config(["--training.steps=9", "--job.config_file", path]).training.steps == 9
+
+
+# ---- errors name the key, the value and where it came from -----------------------------------------------------
+def test_unknown_key_in_file_names_key_file_and_suggestion(tmp_path):
+    path = write_toml(tmp_path, "[model]\nflavour = \"7B\"\n")
+    with pytest.raises(ConfigError) as e:
+        load_file(path)
+    assert "model.flavour" in str(e.value) and path in str(e.value)
+    assert "did you mean model.flavor?" in str(e.value)
+
+
+def test_unknown_section_in_file_suggests_the_closest_section(tmp_path):
+    path = write_toml(tmp_path, "[optimiser]\nlr = 1e-6\n")
+    with pytest.raises(ConfigError, match=r"unknown section \[optimiser\].*did you mean \[optimizer\]") as e:
+        load_file(path)
+    assert path in str(e.value)
+
+
+def test_top_level_key_outside_a_section_is_rejected(tmp_path):
+    path = write_toml(tmp_path, "lr = 1e-6\n")
+    with pytest.raises(ConfigError, match=r"not inside a \[section\].*did you mean optimizer.lr"):
+        load_file(path)
+
+
+def test_unknown_key_on_command_line_names_command_line():
+    with pytest.raises(ConfigError, match=r"unknown key rollout.n_sample in command line.*rollout.n_samples"):
+        load_config(["--rollout.n_sample=4"])
+
+
+def test_key_in_the_wrong_section_suggests_the_section_that_has_it():
+    with pytest.raises(ConfigError, match=r"training.lr .*did you mean optimizer.lr\?"):
+        load_config(["--training.lr=1e-6"])
+
+
+def test_wrong_type_in_file_names_key_file_and_types(tmp_path):
+    path = write_toml(tmp_path, "[training]\nsteps = \"many\"\n")
+    with pytest.raises(ConfigError) as e:
+        load_file(path)
+    assert "training.steps" in str(e.value) and path in str(e.value)
+    assert "expected int" in str(e.value) and "'many'" in str(e.value)
+
+
+@pytest.mark.parametrize("argv", [["--training.steps=abc"], ["--optimizer.lr", "fast"],
+                                  ["--model.compile=yes"], ["--reward.weights=1,heavy"],
+                                  ["--training.steps=1.5"]])
+def test_wrong_type_on_command_line_names_key_and_command_line(argv):
+    key = argv[0][2:].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}(\[\d\])? in command line: cannot parse"):
+        load_config(argv)
+
+
+def test_bool_is_not_accepted_for_an_int_in_the_file(tmp_path):
+    path = write_toml(tmp_path, "[training]\nsteps = true\n")
+    with pytest.raises(ConfigError, match="training.steps.*expected int, got bool"):
+        load_file(path)
+
+
+def test_bad_enum_value_names_key_value_allowed_values_and_file(tmp_path):
+    path = write_toml(tmp_path, "[runtime]\nmode = \"parallel\"\n")
+    with pytest.raises(ConfigError) as e:
+        load_file(path)
+    message = str(e.value)
+    for expected in ("runtime.mode", "'parallel'", "'serial'", "'decomposed'", "'overlapped'", path):
+        assert expected in message
+
+
+def test_bad_enum_value_on_command_line():
+    with pytest.raises(ConfigError, match=r"algorithm.kl_estimator in command line: 'k4' .*'k1', 'k2', 'k3'"):
+        load_config(["--algorithm.kl_estimator=k4"])
+
+
+def test_override_without_section_or_stray_argument_is_rejected():
+    with pytest.raises(ConfigError, match=r"--lr .*not of the form --section.key.*optimizer.lr"):
+        load_config(["--lr=1e-6"])
+    with pytest.raises(ConfigError, match=r"unexpected argument 'train.toml'"):
+        load_config(["train.toml"])
+
+
+def test_non_bool_flag_without_value_is_rejected():
+    with pytest.raises(ConfigError, match=r"--training.steps on the command line needs a value \(int\)"):
+        load_config(["--training.steps"])
+
+
+def test_reward_weights_must_match_functions():
+    with pytest.raises(ConfigError, match=r"reward.weights .*one weight per entry of reward.functions"):
+        load_config(["--reward.weights=1.0"])
+
+
+def test_missing_and_malformed_files_are_named(tmp_path):
+    missing = str(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="not found") as e:
+        load_file(missing)
+    assert missing in str(e.value)
+    broken = write_toml(tmp_path, "[training\nsteps = 1\n", "broken.toml")
+    with pytest.raises(ConfigError, match="not valid TOML") as e:
+        load_file(broken)
+    assert broken in str(e.value)
+
+
+# ---- writing ---------------------------------------------------------------------------------------------------
+def non_default_config() -> Config:
+    """Every value type, with strings that need escaping and floats that need all their digits."""
+    cfg = Config()
+    cfg.job = replace(cfg.job, name='quote " back\\slash\ttab é \x7f', description="line1\nline2", seed=-3)
+    cfg.optimizer = replace(cfg.optimizer, lr=1 / 3 * 1e-6, eps=1e-12, name="adamw8bit")
+    cfg.reward = replace(cfg.reward, functions=["format", "accuracy", "length"], weights=[0.1, 1.0, -0.25])
+    cfg.model = replace(cfg.model, compile=True, dtype="bfloat16")
+    cfg.rollout = replace(cfg.rollout, kv_pool_gib=float(2**40), top_k=50)
+    return cfg
+
+
+def test_save_then_load_gives_the_same_config(tmp_path):
+    cfg = non_default_config()
+    path = cfg.save(tmp_path / "run" / "config.toml")
+    loaded = load_file(str(path))
+    assert loaded == replace(cfg, job=replace(cfg.job, config_file=str(path)))  # load records where it read
+
+
+def test_saved_empty_list_round_trips(tmp_path):
+    cfg = Config()
+    cfg.reward = replace(cfg.reward, functions=[], weights=[])
+    assert load_file(str(cfg.save(tmp_path / "c.toml"))).reward.functions == []
+
+
+def test_to_dict_and_from_dict_round_trip():
+    cfg = non_default_config()
+    data = cfg.to_dict()
+    assert set(data) == {"job", "model", "data", "rollout", "algorithm", "reward", "optimizer", "lr_scheduler",
+                         "training", "checkpoint", "metrics", "runtime", "parallelism", "memory"}
+    assert Config.from_dict(data) == cfg
+    data["reward"]["functions"].append("mutated")  # to_dict hands out copies, not the config's own lists
+    assert cfg.reward.functions == ["format", "accuracy", "length"]
+
+
+def test_from_dict_validates_like_a_file():
+    with pytest.raises(ConfigError, match=r"unknown key model.flavour in my dict"):
+        Config.from_dict({"model": {"flavour": "7B"}}, origin="my dict")
+
+
+def test_to_toml_writes_sections_in_order_with_toml_literals():
+    text = to_toml({"a": {"flag": True, "n": 3, "x": 0.5, "s": "hi", "xs": [1.0, 2.0]}, "b": {}})
+    assert text == '[a]\nflag = true\nn = 3\nx = 0.5\ns = "hi"\nxs = [1.0, 2.0]\n\n[b]\n'
+
+
+# ---- shipped configs and the launcher --------------------------------------------------------------------------
+def test_train_configs_exist():
+    assert {p.name for p in TRAIN_CONFIGS} >= {"debug.toml", "qwen2_5_vl_3b.toml", "qwen2_5_vl_7b.toml",
+                                               "qwen2_5_vl_32b.toml"}
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=[p.name for p in TRAIN_CONFIGS])
+def test_every_train_config_loads_with_a_known_flavor(path):
+    cfg = load_file(str(path))
+    assert cfg.model.flavor in FLAVORS
+    if path.name != "debug.toml":  # real models: bf16, the decomposed runtime, long generations
+        assert cfg.model.dtype == "bfloat16" and cfg.runtime.mode == "decomposed"
+        assert cfg.rollout.max_new_tokens == 1024 and cfg.rollout.n_samples == 8
+        assert cfg.model.make_tiny_if_missing is False
+
+
+def test_debug_config_is_the_cpu_tiny_run():
+    cfg = load_file(str(REPO / "train_configs" / "debug.toml"))
+    assert (cfg.model.flavor, cfg.model.dtype, cfg.model.hf_checkpoint) == ("debug", "float32",
+                                                                            "outputs/tiny-qwen2_5_vl")
+
+
+@pytest.mark.slow
+def test_run_train_sh_launches_from_any_folder_with_overrides(tmp_path):
+    """The launcher resolves its config, forwards overrides and runs the module under torchrun (a stub here)."""
+    (tmp_path / "stub_train.py").write_text(
+        "import os\nfrom torchplex.config import load_config\n"
+        "cfg = load_config()\n"
+        "print(f'STUB rank={os.environ[\"RANK\"]} file={cfg.job.config_file} steps={cfg.training.steps}')\n")
+    user_config = write_toml(tmp_path, "[training]\nsteps = 4\n", "mine.toml")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "TRAIN_MODULE": "stub_train", "NGPU": "1",
+           "PYTHON": sys.executable, "CONFIG_FILE": "mine.toml"}  # relative to the caller's folder
+    result = subprocess.run([str(REPO / "run_train.sh"), "--training.steps", "6"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"STUB rank=0 file={user_config} steps=6" in result.stdout
