@@ -1,0 +1,122 @@
+"""The native rollout engine against transformers' generate and against teacher-forced scoring."""
+
+import pytest
+import torch
+from PIL import Image
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from torchplex.data.batching import collate, encode_visuals
+from torchplex.data.processing import encode_prompt, load_processor
+from torchplex.models.qwen2_5_vl.build import build_model
+from torchplex.rollout.engine import RolloutEngine
+from torchplex.rollout.kv_pool import PoolTooSmallError
+from torchplex.rollout.sampling import SamplingParams, processed_logprobs
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_ckpt):
+    processor = load_processor(tiny_ckpt)
+    model = build_model(hf_dir=tiny_ckpt).eval()
+    rng = torch.Generator().manual_seed(0)
+
+    def image(w, h):
+        return Image.fromarray(torch.randint(0, 255, (h, w, 3), generator=rng, dtype=torch.uint8).numpy())
+
+    prompts = [
+        encode_prompt(processor, "How many circles are in the image?", images=[image(56, 56)]),
+        encode_prompt(processor, "Say something about the colour red and the number 3."),
+        encode_prompt(processor, "Which is left, the square or the circle?", images=[image(84, 112)]),
+        encode_prompt(processor, "Compare.", images=[image(56, 84), image(112, 56)]),
+    ]
+    eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return processor, model, prompts, eos
+
+
+def teacher_forced(model, prompt, tokens, params):
+    with torch.no_grad():
+        batch = collate(model.args, [prompt], [tokens])
+        image, video = encode_visuals(model, batch)
+        hidden = model(batch.input_ids, batch.position_ids, image_embeds=image, video_embeds=video)
+        start = len(prompt.input_ids) - 1
+        logp = processed_logprobs(model.logits(hidden[0, start:start + len(tokens)]), params)
+        return logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+def test_greedy_matches_transformers_generate(setup, tiny_ckpt):
+    processor, model, prompts, eos = setup
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    params = SamplingParams(greedy=True, max_new_tokens=16, stop_token_ids=[eos])
+    engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20)
+    outputs = engine.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        kwargs = dict(input_ids=prompt.input_ids[None], attention_mask=torch.ones(1, len(prompt.input_ids)))
+        if prompt.pixel_values is not None:
+            kwargs.update(pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
+        with torch.no_grad():
+            ref = hf.generate(**kwargs, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        ref_tokens = ref[0, len(prompt.input_ids):].tolist()
+        assert out[0].token_ids == ref_tokens
+        assert out[0].finish_reason == ("stop" if ref_tokens[-1] == eos else "length")
+
+
+def test_logprobs_equal_teacher_forced_scoring_with_temperature_top_p_top_k(setup):
+    _, model, prompts, eos = setup
+    params = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=40, max_new_tokens=12, stop_token_ids=[eos], seed=5)
+    outputs = RolloutEngine(model, kv_pool_bytes=8 * 2**20).generate(prompts, params)
+    for prompt, group in zip(prompts, outputs):
+        assert len(group) == 3
+        for out in group:
+            ref = teacher_forced(model, prompt, out.token_ids, params)
+            ours = torch.tensor(out.logprobs)
+            assert ((ours - ref).abs() / ref.abs().clamp_min(1e-3)).max().item() < RTOL
+
+
+def test_n8_holds_prompt_once_and_equals_sampling_each_alone(setup):
+    _, model, prompts, eos = setup
+    prompt = prompts[0]
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=10, stop_token_ids=[eos], seed=11)
+    engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20)
+    group = engine.generate([prompt], params)[0]
+    assert engine.stats.max_prefix_tokens_stored == len(prompt.input_ids)  # once, not 8 times
+    assert len({tuple(o.token_ids) for o in group}) > 1, "8 samples at temperature 1 should differ"
+    seeds = [11 * 1_000_003 + j for j in range(8)]
+    for j, out in enumerate(group):
+        alone = RolloutEngine(model, kv_pool_bytes=8 * 2**20).generate(
+            [prompt], SamplingParams(n=1, temperature=1.0, max_new_tokens=10, stop_token_ids=[eos]),
+            sample_seeds=[[seeds[j]]])[0][0]
+        assert alone.token_ids == out.token_ids
+        assert torch.allclose(torch.tensor(alone.logprobs), torch.tensor(out.logprobs), rtol=RTOL, atol=1e-6)
+
+
+def test_continuous_batching_with_a_pool_smaller_than_the_batch(setup):
+    """A pool with room for one group still serves four prompts, in turn, with the same results."""
+    _, model, prompts, eos = setup
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=8, stop_token_ids=[eos], seed=3)
+    big = RolloutEngine(model, kv_pool_bytes=8 * 2**20).generate(prompts, params)
+    small_engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20, max_batch=2)
+    small = small_engine.generate(prompts, params)
+    assert small_engine.pool.num_groups == 1 and small_engine.stats.prefills == len(prompts)
+    assert [[o.token_ids for o in g] for g in small] == [[o.token_ids for o in g] for g in big]
+
+
+def test_request_that_can_never_fit_fails_clearly(setup):
+    _, model, prompts, _ = setup
+    engine = RolloutEngine(model, kv_pool_bytes=1024)
+    with pytest.raises(PoolTooSmallError, match="kv_pool_gib"):
+        engine.generate(prompts[:1], SamplingParams(max_new_tokens=8))
+
+
+def test_decode_window_callback_and_pool_release(setup):
+    _, model, prompts, eos = setup
+    engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20)
+    steps = []
+    params = SamplingParams(n=2, max_new_tokens=6, seed=1)
+    first = engine.generate(prompts[:2], params, on_step=steps.append)
+    assert [s.step for s in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 5
+    assert engine.pool.allocated_bytes > 0
+    engine.release()
+    assert engine.pool.allocated_bytes == 0
+    again = engine.generate(prompts[:2], params)
+    assert [[o.token_ids for o in g] for g in again] == [[o.token_ids for o in g] for g in first]

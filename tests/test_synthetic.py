@@ -1,0 +1,191 @@
+"""Specification of the synthetic visual-reasoning task.
+
+The strongest check here re-derives every answer from the PNG pixels alone: shapes are found as
+connected components of non-background pixels, named by their (exact) palette colour, and
+classified by how much of their bounding box they fill (square 1.0, circle ~0.79, triangle ~0.5).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from torchplex.data.records import load_images, read_records
+from torchplex.data.synthetic import (
+    ANSWER_INSTRUCTION,
+    BACKGROUND,
+    PALETTE,
+    TASK_KINDS,
+    generate_synthetic_task,
+)
+
+
+# ------------------------------------------------------------------------- pixel reference
+
+
+def _components(mask: np.ndarray) -> list[np.ndarray]:
+    """4-connected components of a boolean mask, each as an (N, 2) array of (y, x)."""
+    seen = np.zeros_like(mask)
+    h, w = mask.shape
+    out = []
+    for y0, x0 in zip(*np.nonzero(mask)):
+        if seen[y0, x0]:
+            continue
+        stack, pixels = [(y0, x0)], []
+        seen[y0, x0] = True
+        while stack:
+            y, x = stack.pop()
+            pixels.append((y, x))
+            for ny, nx in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
+                if 0 <= ny < h and 0 <= nx < w and mask[ny, nx] and not seen[ny, nx]:
+                    seen[ny, nx] = True
+                    stack.append((ny, nx))
+        out.append(np.array(pixels))
+    return out
+
+
+def _shapes_in(image: Image.Image) -> list[tuple[str, str, float]]:
+    """(kind, colour, x-centre) of every shape, read from the pixels only."""
+    pixels = np.asarray(image.convert("RGB"))
+    colour_names = {rgb: name for name, rgb in PALETTE.items()}
+    found = []
+    for comp in _components((pixels != BACKGROUND).any(axis=-1)):
+        rgbs = {tuple(int(v) for v in pixels[y, x]) for y, x in comp}
+        assert len(rgbs) == 1 and next(iter(rgbs)) in colour_names, f"non-palette pixels {rgbs}"
+        (ys, xs) = comp[:, 0], comp[:, 1]
+        fill = len(comp) / ((np.ptp(ys) + 1) * (np.ptp(xs) + 1))
+        kind = "square" if fill > 0.95 else "circle" if fill > 0.68 else "triangle"
+        found.append((kind, colour_names[next(iter(rgbs))], (xs.min() + xs.max()) / 2))
+    return found
+
+
+def _answer_from_pixels(question: str, image: Image.Image) -> str:
+    shapes = _shapes_in(image)
+    if m := re.fullmatch(r"How many (\w+)s are in the image\?", question):
+        return str(sum(kind == m[1] for kind, _, _ in shapes))
+    if m := re.fullmatch(r"What colour is the (\w+)\?", question):
+        (colour,) = [c for kind, c, _ in shapes if kind == m[1]]
+        return colour
+    if m := re.fullmatch(r"Is the (\w+) left or right of the (\w+)\?", question):
+        (xa,) = [x for kind, _, x in shapes if kind == m[1]]
+        (xb,) = [x for kind, _, x in shapes if kind == m[2]]
+        return "left" if xa < xb else "right"
+    if m := re.fullmatch(r"Are there more (\w+) shapes or (\w+) shapes\?", question):
+        counts = Counter(c for _, c, _ in shapes)
+        assert counts[m[1]] != counts[m[2]]
+        return m[1] if counts[m[1]] > counts[m[2]] else m[2]
+    raise AssertionError(f"unexpected question {question!r}")
+
+
+def _question(prompt: str) -> str:
+    assert prompt.endswith(" " + ANSWER_INSTRUCTION)
+    return prompt[: -len(ANSWER_INSTRUCTION) - 1]
+
+
+def _folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("image_size", [(56, 56), (112, 84), (40, 40)])
+def test_every_answer_matches_the_drawn_image(tmp_path, image_size):
+    train_path, eval_path = generate_synthetic_task(tmp_path, 60, 20, seed=7, image_size=image_size)
+    for path in (train_path, eval_path):
+        for record in read_records(path):
+            (image,) = load_images(record)
+            assert image.size == image_size
+            assert _answer_from_pixels(_question(record.prompt), image) == record.answer, record.id
+
+
+def test_same_seed_gives_identical_files(tmp_path):
+    generate_synthetic_task(tmp_path / "a", 40, 10, seed=3)
+    generate_synthetic_task(tmp_path / "b", 40, 10, seed=3)
+    a, b = _folder_bytes(tmp_path / "a"), _folder_bytes(tmp_path / "b")
+    assert len(a) == 40 + 10 + 3  # PNGs, train.jsonl, eval.jsonl, manifest.json
+    assert a == b
+
+
+def test_different_seed_gives_different_samples(tmp_path):
+    train_a, _ = generate_synthetic_task(tmp_path / "a", 40, 10, seed=0)
+    train_b, _ = generate_synthetic_task(tmp_path / "b", 40, 10, seed=1)
+    assert [r.prompt for r in read_records(train_a)] != [r.prompt for r in read_records(train_b)]
+
+
+def test_train_and_eval_share_no_sample(tmp_path):
+    train_path, eval_path = generate_synthetic_task(tmp_path, 200, 100, seed=0)
+
+    def keys(path):
+        return {(r.prompt, Path(r.images[0]).read_bytes()) for r in read_records(path)}
+
+    train_keys, eval_keys = keys(train_path), keys(eval_path)
+    assert len(train_keys) == 200 and len(eval_keys) == 100  # unique within each split too
+    assert not train_keys & eval_keys
+
+
+def test_eval_split_does_not_depend_on_train_size(tmp_path):
+    _, eval_small = generate_synthetic_task(tmp_path / "a", 10, 20, seed=0)
+    _, eval_large = generate_synthetic_task(tmp_path / "b", 100, 20, seed=0)
+    assert eval_small.read_text() == eval_large.read_text()
+
+
+def test_records_are_balanced_over_kinds_and_instruct_the_answer_format(tmp_path):
+    train_path, _ = generate_synthetic_task(tmp_path, 40, 8, seed=0)
+    records = read_records(train_path)
+    assert Counter(r.task for r in records) == {k: 10 for k in TASK_KINDS}
+    for r in records:
+        assert r.prompt.endswith("Put the final answer in <answer></answer>.")
+        assert r.answer and " " not in r.answer  # single-word answers
+        assert r.images[0].startswith(str(tmp_path.resolve()))
+
+
+def test_kinds_can_be_restricted_and_unknown_kinds_are_rejected(tmp_path):
+    train_path, _ = generate_synthetic_task(tmp_path / "c", 12, 4, kinds=("counting",))
+    assert {r.task for r in read_records(train_path)} == {"counting"}
+    with pytest.raises(KeyError, match="known: counting, colour, position, comparison"):
+        generate_synthetic_task(tmp_path / "d", 4, 4, kinds=("counting", "shading"))
+
+
+def test_second_call_with_same_parameters_does_not_rewrite(tmp_path):
+    train_path, eval_path = generate_synthetic_task(tmp_path, 20, 5, seed=0)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    assert generate_synthetic_task(tmp_path, 20, 5, seed=0) == (train_path, eval_path)
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_changed_parameters_regenerate_and_remove_stale_images(tmp_path):
+    generate_synthetic_task(tmp_path, 20, 5, seed=0)
+    train_path, eval_path = generate_synthetic_task(tmp_path, 8, 3, seed=1, image_size=(64, 64))
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert (manifest["num_train"], manifest["num_eval"], manifest["seed"]) == (8, 3, 1)
+    assert manifest["image_size"] == [64, 64]
+    assert len(read_records(train_path)) == 8 and len(read_records(eval_path)) == 3
+    assert len(list((tmp_path / "images").glob("*.png"))) == 8 + 3
+    assert _folder_bytes(tmp_path) == _folder_bytes(_fresh(tmp_path.parent / "fresh", 8, 3, 1, (64, 64)))
+
+
+def _fresh(folder: Path, num_train, num_eval, seed, image_size) -> Path:
+    generate_synthetic_task(folder, num_train, num_eval, seed=seed, image_size=image_size)
+    return folder
+
+
+def test_interrupted_generation_is_redone(tmp_path):
+    train_path, _ = generate_synthetic_task(tmp_path, 10, 4, seed=0)
+    expected = train_path.read_text()
+    # A run killed mid-way leaves no manifest (it is written last) and possibly partial files.
+    (tmp_path / "manifest.json").unlink()
+    train_path.write_text('{"truncated": ')
+    generate_synthetic_task(tmp_path, 10, 4, seed=0)
+    assert train_path.read_text() == expected
+
+
+def test_too_small_images_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="image_size"):
+        generate_synthetic_task(tmp_path, 4, 4, image_size=(16, 56))

@@ -1,0 +1,74 @@
+"""Collate encoded prompts (optionally with responses) into right-padded model batches.
+
+Used by every phase that runs the model over prompts: rollout prefill, reference/actor prefix, and the serial
+baseline's full prompt+response forwards. A prompt is anything with the fields of
+`torchplex.data.processing.PromptInputs` (input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+video_grid_thw, second_per_grid_ts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..models.qwen2_5_vl.args import ModelArgs
+from ..models.qwen2_5_vl.rope_index import get_rope_index
+
+
+@dataclass
+class ModelBatch:
+    input_ids: torch.Tensor          # (B, T) right-padded
+    lengths: torch.Tensor            # (B,) valid tokens per row
+    position_ids: torch.Tensor       # (3, B, T)
+    next_position: torch.Tensor      # (B,) RoPE position after each row's valid tokens
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    pixel_values_videos: torch.Tensor | None
+    video_grid_thw: torch.Tensor | None
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.arange(self.input_ids.shape[1], device=self.lengths.device)[None] < self.lengths[:, None]
+
+    def to(self, device) -> "ModelBatch":
+        move = lambda t: None if t is None else t.to(device)
+        return ModelBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
+
+
+def _cat(items: list[torch.Tensor | None]) -> torch.Tensor | None:
+    present = [t for t in items if t is not None]
+    return torch.cat(present) if present else None
+
+
+def collate(args: ModelArgs, prompts: Sequence, responses: Sequence[Sequence[int]] | None = None,
+            pad_id: int = 0, pad_to_multiple: int = 1) -> ModelBatch:
+    """Right-pad prompts (each followed by its response tokens when given) into one batch."""
+    rows = []
+    for i, p in enumerate(prompts):
+        ids = p.input_ids.tolist() if torch.is_tensor(p.input_ids) else list(p.input_ids)
+        if responses is not None:
+            ids = ids + list(responses[i])
+        rows.append(ids)
+    width = max(len(r) for r in rows)
+    width = -(-width // pad_to_multiple) * pad_to_multiple
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    image_grid = _cat([p.image_grid_thw for p in prompts])
+    video_grid = _cat([p.video_grid_thw for p in prompts])
+    seconds = _cat([getattr(p, "second_per_grid_ts", None) for p in prompts])
+    mask = torch.arange(width)[None] < lengths[:, None]
+    position_ids, next_position = get_rope_index(args, input_ids, image_grid, video_grid, seconds, mask)
+    return ModelBatch(input_ids, lengths, position_ids, next_position, _cat([p.pixel_values for p in prompts]),
+                      image_grid, _cat([p.pixel_values_videos for p in prompts]), video_grid)
+
+
+def encode_visuals(model, batch: ModelBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Run the vision tower over the batch's images and videos (in batch order)."""
+    image = model.encode_vision(batch.pixel_values, batch.image_grid_thw) if batch.pixel_values is not None else None
+    video = (model.encode_vision(batch.pixel_values_videos, batch.video_grid_thw)
+             if batch.pixel_values_videos is not None else None)
+    return image, video

@@ -1,0 +1,228 @@
+"""The embedded rollout engine: batched multimodal sampling on the actor's own module.
+
+Each prompt is prefilled once (vision + prompt, through the model's `prefix_forward`) into a group slot of the
+KV pool, and its n samples decode from that one copy of the prompt's K/V. Prompt groups enter as group slots
+free up (continuous batching at group granularity); a decode step runs over every slot of the pool with static
+shapes, so on CUDA it can be compiled once (torch.compile, reduce-overhead: CUDA graphs) and replayed.
+
+The runtime can watch or use the decode window through `on_step` (called after every decode step) and can
+replace the prefill with its own (`prefill_fn`, e.g. one that keeps autograd for the actor's prefix).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..data.batching import collate, encode_visuals
+from ..models.attention import PrefixState
+from .kv_pool import GroupedDecodeAttention, GroupKVPool, PoolTooSmallError
+from .sampling import SamplingParams, sample
+
+
+@dataclass
+class SampleOutput:
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop token was sampled, and is included) | "length"
+
+
+@dataclass
+class DecodeStepInfo:
+    step: int
+    active_samples: int
+    waiting_prompts: int
+
+
+@dataclass
+class RolloutStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    prefills: int = 0
+    max_prefix_tokens_stored: int = 0
+    pool_bytes: int = 0
+    step_host_gap_s: list[float] = field(default_factory=list)
+
+
+class RolloutEngine:
+    def __init__(self, model, *, kv_pool_bytes: int, max_batch: int = 256, kv_dtype: torch.dtype | None = None,
+                 compile_decode: bool | None = None, prefill_tokens: int = 16384, check_interval: int | None = None,
+                 pad_id: int = 0):
+        self.model = model
+        self.kv_pool_bytes = int(kv_pool_bytes)
+        self.max_batch = max_batch
+        self.kv_dtype = kv_dtype
+        self.device = next(model.parameters()).device
+        self.compile_decode = self.device.type == "cuda" if compile_decode is None else compile_decode
+        self.prefill_tokens = prefill_tokens
+        # Checking for finished samples costs a host sync; on GPU do it every few steps.
+        self.check_interval = check_interval or (4 if self.device.type == "cuda" else 1)
+        self.pad_id = pad_id
+        self.pool: GroupKVPool | None = None
+        self.stats = RolloutStats()
+        self._step_fn = None
+
+    # ---- pool lifetime -------------------------------------------------------------------------------
+    def _pool_for(self, n: int, max_prompt: int, max_new: int, num_prompts: int) -> GroupKVPool:
+        t = self.model.args.text
+        dtype = self.kv_dtype or next(self.model.parameters()).dtype
+        max_prompt = -(-max_prompt // 64) * 64  # stable shapes across calls
+        pool = self.pool
+        if (pool is None or pool.n != n or pool.max_prompt < max_prompt or pool.max_new != max_new
+                or pool.dtype != dtype):
+            self.pool = None  # drop the old tensors before sizing the new ones
+            max_groups = max(1, min(num_prompts, self.max_batch // n))
+            pool = GroupKVPool(num_layers=t.num_layers, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, n=n,
+                               max_prompt=max_prompt, max_new=max_new, budget_bytes=self.kv_pool_bytes,
+                               max_groups=max_groups, dtype=dtype, device=self.device)
+            self._step_fn = None
+        pool.reserve()
+        self.pool = pool
+        return pool
+
+    def release(self) -> None:
+        """Give the KV pool's memory back (between rollouts); the next `generate` takes it again."""
+        if self.pool is not None:
+            self.pool.release()
+
+    # ---- prefill -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def default_prefill(self, prompts: Sequence) -> PrefixState:
+        batch = collate(self.model.args, prompts, pad_id=self.pad_id).to(self.device)
+        image, video = encode_visuals(self.model, batch)
+        return self.model.prefix_forward(batch.input_ids, batch.position_ids, batch.next_position, batch.lengths,
+                                         image_embeds=image, video_embeds=video)
+
+    # ---- decode --------------------------------------------------------------------------------------
+    def _decode_step(self, params: SamplingParams, tokens, positions, suffix_len, seeds, steps):
+        model = self.model
+        h = model.tok_embeddings(tokens[:, None])
+        hidden = model.decode(h, positions.view(1, -1, 1).expand(3, -1, 1), GroupedDecodeAttention(self.pool, suffix_len))
+        return sample(model.logits(hidden[:, 0]), params, seeds, steps)
+
+    def _step(self, params: SamplingParams):
+        if self._step_fn is None:
+            fn = self._decode_step
+            if self.compile_decode:
+                fn = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            self._step_fn = fn
+        return self._step_fn
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence, params: SamplingParams, *, sample_seeds: Sequence[Sequence[int]] | None = None,
+                 on_step: Callable[[DecodeStepInfo], None] | None = None,
+                 prefill_fn: Callable[[Sequence], PrefixState] | None = None) -> list[list[SampleOutput]]:
+        """Sample `params.n` responses for each prompt. Returns outputs[prompt][sample]."""
+        n, max_new = params.n, params.max_new_tokens
+        lengths = [len(p.input_ids) for p in prompts]
+        pool = self._pool_for(n, max(lengths), max_new, len(prompts))
+        too_long = [i for i, L in enumerate(lengths) if L > pool.max_prompt]
+        if too_long:
+            raise PoolTooSmallError(f"prompts {too_long} are longer than the pool's max_prompt {pool.max_prompt}")
+        if sample_seeds is None:
+            sample_seeds = [[params.seed * 1_000_003 + i * n + j for j in range(n)] for i in range(len(prompts))]
+        prefill_fn = prefill_fn or self.default_prefill
+        dev, slots = self.device, pool.num_slots
+        stop_ids = torch.tensor(params.stop_token_ids or [-1], device=dev)
+
+        last_token = torch.zeros(slots, dtype=torch.long, device=dev)
+        gen_count = torch.zeros(slots, dtype=torch.long, device=dev)    # tokens sampled so far
+        start_pos = torch.zeros(slots, dtype=torch.long, device=dev)    # RoPE position of the first new token
+        seeds = torch.zeros(slots, dtype=torch.long, device=dev)
+        active = torch.zeros(slots, dtype=torch.bool, device=dev)
+        out_tokens = torch.zeros(slots, max_new, dtype=torch.long, device=dev)
+        out_logprobs = torch.zeros(slots, max_new, dtype=torch.float32, device=dev)
+        owner: dict[int, int] = {}  # group slot -> prompt index
+        results: list[list[SampleOutput] | None] = [None] * len(prompts)
+        waiting = deque(range(len(prompts)))
+        rows = torch.arange(slots, device=dev)
+        step = 0
+
+        def admit():
+            while waiting and pool.free_groups:
+                take, budget = [], self.prefill_tokens
+                while waiting and pool.free_groups and (not take or budget >= lengths[waiting[0]]):
+                    i = waiting.popleft()
+                    take.append((i, pool.take_group()))
+                    budget -= lengths[i]
+                t0 = time.perf_counter()
+                prefix = prefill_fn([prompts[i] for i, _ in take])
+                last_logits = self.model.logits(prefix.last_hidden.detach())
+                for b, (i, g) in enumerate(take):
+                    L = lengths[i]
+                    pool.write_prefix(g, [k[b].detach() for k in prefix.k], [v[b].detach() for v in prefix.v], L)
+                    owner[g] = i
+                    s = slice(g * n, (g + 1) * n)
+                    seeds[s] = torch.tensor(list(sample_seeds[i]), device=dev)
+                    start_pos[s] = prefix.next_position[b]
+                    tok, lp = sample(last_logits[b:b + 1].expand(n, -1), params, seeds[s],
+                                     torch.zeros(n, dtype=torch.long, device=dev))
+                    last_token[s], out_tokens[s, 0], out_logprobs[s, 0] = tok, tok, lp
+                    gen_count[s] = 1
+                    active[s] = ~torch.isin(tok, stop_ids) & (max_new > 1)
+                self.stats.prefill_s += time.perf_counter() - t0
+                self.stats.prefills += 1
+                self.stats.max_prefix_tokens_stored = max(self.stats.max_prefix_tokens_stored,
+                                                          pool.prefix_tokens_stored)
+
+        def collect_finished():
+            done_groups = []
+            act = active.view(pool.num_groups, n).any(dim=1).tolist()
+            for g, i in owner.items():
+                if not act[g]:
+                    done_groups.append(g)
+            if not done_groups:
+                return
+            counts = gen_count.tolist()
+            for g in done_groups:
+                i = owner.pop(g)
+                outs = []
+                for j in range(n):
+                    s = g * n + j
+                    c = counts[s]
+                    toks = out_tokens[s, :c].tolist()
+                    reason = "stop" if toks and toks[-1] in params.stop_token_ids else "length"
+                    outs.append(SampleOutput(i, j, toks, out_logprobs[s, :c].tolist(), reason))
+                    self.stats.generated_tokens += c
+                results[i] = outs
+                active[g * n:(g + 1) * n] = False
+                pool.give_back(g)
+
+        admit()
+        collect_finished()
+        admit()
+        step_fn = self._step(params)
+        t_decode = time.perf_counter()
+        while owner:
+            write_at = (gen_count - 1).clamp(max=max_new - 2)
+            positions = start_pos + write_at
+            tok, lp = step_fn(params, last_token, positions, write_at, seeds, gen_count)
+            if self.compile_decode:
+                tok, lp = tok.clone(), lp.clone()  # outputs of a CUDA graph are overwritten by the next replay
+            idx = gen_count.clamp(max=max_new - 1)
+            out_tokens[rows, idx] = torch.where(active, tok, out_tokens[rows, idx])
+            out_logprobs[rows, idx] = torch.where(active, lp, out_logprobs[rows, idx])
+            last_token = torch.where(active, tok, last_token)
+            gen_count = gen_count + active.long()
+            active = active & ~torch.isin(tok, stop_ids) & (gen_count < max_new)
+            step += 1
+            self.stats.decode_steps += 1
+            if on_step is not None:
+                on_step(DecodeStepInfo(step, len(owner) * n, len(waiting)))
+            if step % self.check_interval == 0 or step >= max_new:
+                collect_finished()
+                if waiting and pool.free_groups:
+                    self.stats.decode_s += time.perf_counter() - t_decode
+                    admit()
+                    t_decode = time.perf_counter()
+        self.stats.decode_s += time.perf_counter() - t_decode
+        self.stats.pool_bytes = pool.allocated_bytes
+        return results
