@@ -1,0 +1,181 @@
+"""One synchronous GRPO step as separate phases: rollout -> rewards/advantages -> reference -> actor training.
+
+The phases only meet through `Experience`, and the log-prob computation is a pluggable `Scorer`, so the serial
+baseline (full prompt+response forwards) and the decomposed runtime (prefix once per prompt) run the very same
+step code and must produce the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..components.optim import clip_grad_norm
+from ..rl.advantages import compute_advantages, dynamic_sampling_keep
+from ..rl.losses import BatchTotals, LossStats, PolicyLossConfig, kl_penalty, masked_mean, policy_loss
+from ..rl.rewards import combine_rewards, is_correct
+from ..rollout.engine import SampleOutput
+from .scoring import ScoreRequest, Scorer
+
+
+@dataclass
+class Experience:
+    """A step's samples, prompt-major: sample s belongs to prompt s // group_size."""
+
+    prompts: list
+    answers: list[str]
+    group_size: int
+    tokens: torch.Tensor              # (N, R) right-padded response tokens
+    lengths: torch.Tensor             # (N,)
+    sampling_logprobs: torch.Tensor   # (N, R) log-probs under the sampling distribution
+    finish_reasons: list[str]
+    texts: list[str]
+    rewards: torch.Tensor             # (N,)
+    reward_parts: dict[str, list[float]]
+    correct: list[bool]
+    advantages: torch.Tensor          # (N,)
+    keep_groups: torch.Tensor         # (B,) groups used for training (dynamic sampling)
+    ref_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return torch.arange(self.tokens.shape[1], device=self.lengths.device)[None] < self.lengths[:, None]
+
+    def kept_samples(self) -> list[int]:
+        g = self.group_size
+        return [s for b in range(len(self.prompts)) if bool(self.keep_groups[b]) for s in range(b * g, (b + 1) * g)]
+
+    def request(self, samples: Sequence[int]) -> ScoreRequest:
+        owners = sorted({s // self.group_size for s in samples})
+        slot = {b: i for i, b in enumerate(owners)}
+        idx = torch.tensor(list(samples), device=self.tokens.device)
+        lengths = self.lengths[idx]
+        width = int(lengths.max())
+        return ScoreRequest([self.prompts[b] for b in owners], [slot[s // self.group_size] for s in samples],
+                            self.tokens[idx, :width], lengths)
+
+
+def micro_batches(samples: list[int], group_size: int, micro_batch_size: int, whole_groups: bool) -> list[list[int]]:
+    """Split sample indices into micro-batches; with whole_groups a group is never split (its prefix is shared)."""
+    if not whole_groups:
+        return [samples[i:i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]
+    per = max(1, micro_batch_size // group_size) * group_size
+    return [samples[i:i + per] for i in range(0, len(samples), per)]
+
+
+def build_experience(prompts: list, answers: list[str], outputs: list[list[SampleOutput]], tokenizer,
+                     reward_names: list[str], reward_weights: list[float], advantage: str,
+                     dynamic_sampling: bool, device) -> Experience:
+    group = len(outputs[0])
+    flat = [o for g in outputs for o in g]
+    width = max(len(o.token_ids) for o in flat)
+    tokens = torch.zeros(len(flat), width, dtype=torch.long)
+    sampling_lp = torch.zeros(len(flat), width)
+    for s, o in enumerate(flat):
+        tokens[s, :len(o.token_ids)] = torch.tensor(o.token_ids)
+        sampling_lp[s, :len(o.logprobs)] = torch.tensor(o.logprobs)
+    texts = tokenizer.batch_decode([o.token_ids for o in flat], skip_special_tokens=True)
+    sample_answers = [answers[s // group] for s in range(len(flat))]
+    total, parts = combine_rewards(texts, sample_answers, reward_names, reward_weights)
+    rewards = torch.tensor(total, dtype=torch.float32)
+    keep = dynamic_sampling_keep(rewards, group) if dynamic_sampling else torch.ones(len(prompts), dtype=torch.bool)
+    return Experience(
+        prompts=prompts, answers=answers, group_size=group, tokens=tokens.to(device),
+        lengths=torch.tensor([len(o.token_ids) for o in flat], device=device), sampling_logprobs=sampling_lp.to(device),
+        finish_reasons=[o.finish_reason for o in flat], texts=texts, rewards=rewards.to(device), reward_parts=parts,
+        correct=[is_correct(t, a) for t, a in zip(texts, sample_answers)],
+        advantages=compute_advantages(rewards, group, advantage).to(device), keep_groups=keep)
+
+
+@torch.no_grad()
+def reference_phase(reference, scorer: Scorer, exp: Experience, temperature: float, micro_batch_size: int,
+                    whole_groups: bool) -> None:
+    """Per-token log-probs of every response under the frozen reference model."""
+    out = torch.zeros(exp.tokens.shape, dtype=torch.float32, device=exp.tokens.device)
+    for mb in micro_batches(list(range(exp.tokens.shape[0])), exp.group_size, micro_batch_size, whole_groups):
+        req = exp.request(mb)
+        logp, _ = scorer.score(reference, req, temperature)
+        out[torch.tensor(mb, device=out.device), :logp.shape[1]] = logp.float()
+    exp.ref_logprobs = out
+
+
+@dataclass
+class TrainResult:
+    stats: LossStats | None
+    grad_norms: list[float] = field(default_factory=list)
+    skipped_nonfinite: int = 0
+    entropy: float | None = None
+
+
+def _global_totals(mask: torch.Tensor, max_len: int) -> BatchTotals:
+    totals = BatchTotals.from_mask(mask, max_len=max_len)
+    if dist.is_available() and dist.is_initialized():
+        t = torch.tensor([totals.total_tokens, totals.total_seqs], dtype=torch.float64, device=mask.device)
+        dist.all_reduce(t)
+        totals = BatchTotals(total_tokens=float(t[0]), total_seqs=int(t[1]), max_len=max_len)
+    return totals
+
+
+def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler, loss_cfg: PolicyLossConfig,
+                *, temperature: float, micro_batch_size: int, whole_groups: bool, ppo_epochs: int,
+                grad_clip: float, max_len: int) -> TrainResult:
+    """PPO-clip epochs over the kept samples with gradient accumulation; one optimizer step per epoch.
+
+    Every micro-batch loss is normalised by the whole mini-batch's totals (summed over data-parallel ranks), so
+    accumulating micro-batches equals one full-batch step, whatever the partition.
+    """
+    samples = exp.kept_samples()
+    if not samples:
+        return TrainResult(stats=None)
+    idx_all = torch.tensor(samples, device=exp.tokens.device)
+    totals = _global_totals(exp.mask[idx_all], max_len)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    batches = micro_batches(samples, exp.group_size, micro_batch_size, whole_groups)
+    if exp.old_logprobs is None:
+        exp.old_logprobs = torch.zeros(exp.tokens.shape, dtype=torch.float32, device=exp.tokens.device)
+    result = TrainResult(stats=None)
+    epoch_stats: list[LossStats] = []
+    entropies = []
+    for epoch in range(ppo_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        epoch_stats = []
+        for mb in batches:
+            req = exp.request(mb)
+            idx = torch.tensor(mb, device=exp.tokens.device)
+            width = req.tokens.shape[1]
+            logp, entropy = scorer.score(actor, req, temperature, with_entropy=epoch == 0)
+            if epoch == 0:  # on-policy: the epoch-0 forward at θk is the old policy
+                exp.old_logprobs[idx, :width] = logp.detach().float()
+                entropies.append((entropy, req.mask))
+            ref = exp.ref_logprobs[idx, :width] if exp.ref_logprobs is not None else None
+            loss, stats = policy_loss(logp.float(), exp.old_logprobs[idx, :width], exp.advantages[idx], req.mask,
+                                      loss_cfg, ref_logprobs=ref, total_tokens=totals.total_tokens,
+                                      total_seqs=totals.total_seqs, max_len=totals.max_len)
+            # Data-parallel gradient averaging divides by the world size; the loss is already global.
+            (loss * world).backward()
+            epoch_stats.append(stats)
+        grad_norm = clip_grad_norm([p for p in actor.parameters() if p.requires_grad], grad_clip)
+        result.grad_norms.append(grad_norm)
+        if not math.isfinite(grad_norm) or not all(torch.isfinite(s.loss) for s in epoch_stats):
+            optimizer.zero_grad(set_to_none=True)
+            result.skipped_nonfinite += 1
+            continue
+        optimizer.step()
+    if lr_scheduler is not None:
+        lr_scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    result.stats = LossStats.merge(epoch_stats) if epoch_stats else None
+    ent = [masked_mean(e, m) for e, m in entropies if e is not None]
+    result.entropy = float(torch.stack(ent).mean()) if ent else None
+    return result
+
+
+def kl_to_reference(exp: Experience, estimator: str) -> float | None:
+    if exp.ref_logprobs is None or exp.old_logprobs is None:
+        return None
+    return float(masked_mean(kl_penalty(exp.old_logprobs, exp.ref_logprobs, estimator), exp.mask))

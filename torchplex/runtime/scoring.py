@@ -1,0 +1,105 @@
+"""Per-token log-probs of sampled responses under a model: the one computation that reference scoring,
+old-policy scoring and actor training share.
+
+`SerialScorer` is the baseline (what verl does): every sample is a full prompt+response forward, so the vision
+tower and the prompt run G times per prompt. `torchplex.runtime.decomposition.DecomposedScorer` computes the
+same numbers with the prompt prefix run once per prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..data.batching import collate, encode_visuals
+from ..rl.logprobs import logprobs_from_hidden, token_entropy
+
+
+@dataclass
+class ScoreRequest:
+    """S responses to score; response s continues prompt `prompts[prompt_index[s]]`."""
+
+    prompts: Sequence             # PromptInputs-like, the distinct prompts of this request
+    prompt_index: list[int]       # (S,)
+    tokens: torch.Tensor          # (S, R) right-padded response tokens
+    lengths: torch.Tensor         # (S,) valid response tokens
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return torch.arange(self.tokens.shape[1], device=self.lengths.device)[None] < self.lengths[:, None]
+
+
+@dataclass
+class TokenCounts:
+    """Token-forwards a scoring pass ran through the decoder (prefix and suffix parts)."""
+
+    prefix_tokens: int = 0
+    response_tokens: int = 0
+    vision_patches: int = 0
+
+    def add(self, other: "TokenCounts") -> None:
+        self.prefix_tokens += other.prefix_tokens
+        self.response_tokens += other.response_tokens
+        self.vision_patches += other.vision_patches
+
+    @property
+    def total(self) -> int:
+        return self.prefix_tokens + self.response_tokens
+
+
+class Scorer(Protocol):
+    counts: TokenCounts
+
+    def score(self, model, request: ScoreRequest, temperature: float, with_entropy: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(S, R) log-probs of the response tokens (differentiable when grad is enabled), and entropies."""
+
+
+def response_scores(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool,
+                    chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden (S, R, D) where row j predicts tokens[:, j] -> log-probs (S, R) and optionally entropies."""
+    logp = logprobs_from_hidden(hidden, model.output_weight, tokens, temperature=temperature, chunk_size=chunk_size)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            flat = hidden.detach().reshape(-1, hidden.shape[-1])
+            parts = [token_entropy(F.linear(flat[i:i + chunk_size], model.output_weight.detach()), temperature)
+                     for i in range(0, flat.shape[0], chunk_size)]
+            entropy = torch.cat(parts).view(tokens.shape)
+    return logp, entropy
+
+
+class SerialScorer:
+    """Each response as its own full prompt+response sequence (vision and prompt recomputed per sample)."""
+
+    def __init__(self, pad_id: int = 0):
+        self.pad_id = pad_id
+        self.counts = TokenCounts()
+
+    def score(self, model, request: ScoreRequest, temperature: float, with_entropy: bool = False):
+        device = request.tokens.device
+        responses = [request.tokens[s, :int(request.lengths[s])].tolist() for s in range(request.tokens.shape[0])]
+        prompts = [request.prompts[i] for i in request.prompt_index]
+        batch = collate(model.args, prompts, responses, pad_id=self.pad_id).to(device)
+        image, video = encode_visuals(model, batch)
+        hidden = model(batch.input_ids, batch.position_ids, image_embeds=image, video_embeds=video,
+                       attention_mask=batch.attention_mask)
+        # Row j of a response is predicted by the hidden state one position before it.
+        prompt_lens = torch.tensor([len(p.input_ids) for p in prompts], device=device)
+        width = request.tokens.shape[1]
+        index = (prompt_lens[:, None] - 1 + torch.arange(width, device=device)[None]).clamp(max=hidden.shape[1] - 1)
+        picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+        self.counts.add(TokenCounts(prefix_tokens=int(prompt_lens.sum()), response_tokens=int(request.lengths.sum()),
+                                    vision_patches=sum(_patches(p) for p in prompts)))
+        return response_scores(model, picked, request.tokens, temperature, with_entropy)
+
+
+def _patches(prompt) -> int:
+    total = 0
+    for grid in (prompt.image_grid_thw, prompt.video_grid_thw):
+        if grid is not None:
+            total += int(grid.prod(-1).sum())
+    return total

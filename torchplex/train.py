@@ -1,0 +1,331 @@
+"""torchplex trainer: synchronous on-policy GRPO for Qwen2.5-VL.
+
+    ./run_train.sh                                   # tiny model on CPU, train_configs/debug.toml
+    CONFIG_FILE=train_configs/qwen2_5_vl_7b.toml NGPU=8 ./run_train.sh --optimizer.lr=1e-6
+
+Each step: rollout (native engine on the actor's own weights) -> rewards and group advantages -> reference
+log-probs -> PPO-clip training. `runtime.mode` picks how the scoring phases run: "serial" (every sample a full
+prompt+response forward) or "decomposed" (the prompt prefix once per prompt, shared by its G samples).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .components.checkpoint import CheckpointManager
+from .components.metrics import MetricsLogger, PhaseTimer, StepProgress, format_step_line
+from .components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from .config import Config, load_config
+from .data.processing import load_processor
+from .data.prompts import PromptEncoder
+from .data.records import PromptStream, read_records
+from .data.synthetic import generate_synthetic_task
+from .models.qwen2_5_vl.build import build_model
+from .models.qwen2_5_vl.weights import save_hf_weights
+from .rl.losses import PolicyLossConfig
+from .rl.rewards import format_reward, is_correct
+from .rollout.engine import RolloutEngine
+from .rollout.sampling import SamplingParams
+from .runtime.grpo_step import build_experience, kl_to_reference, reference_phase, train_phase
+from .runtime.scoring import ScoreRequest, SerialScorer
+
+log = logging.getLogger("torchplex")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def ensure_tiny_checkpoint(path: Path, flavor: str, seed: int) -> None:
+    """Debug runs need no download: write the tiny random checkpoint with our own tool when it is absent."""
+    repo = Path(__file__).resolve().parents[1]
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    from tools.make_tiny_checkpoint import make_tiny_checkpoint
+
+    log.info("no checkpoint at %s: writing a tiny random %s checkpoint", path, flavor)
+    make_tiny_checkpoint(path, size=flavor, seed=seed)
+
+
+def make_scorer(mode: str, pad_id: int):
+    if mode == "serial":
+        return SerialScorer(pad_id)
+    from .runtime.decomposition import DecomposedScorer
+
+    return DecomposedScorer(pad_id)
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.rank, self.world = self._init_distributed()
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+        self.run_dir = cfg.job.run_dir
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg.save(self.run_dir / "config.toml")
+        self._seed(cfg.job.seed)
+
+        ckpt = Path(cfg.model.hf_checkpoint)
+        if not (ckpt / "config.json").is_file():
+            if not cfg.model.make_tiny_if_missing:
+                raise FileNotFoundError(f"model.hf_checkpoint: no config.json in {ckpt} (set it to an HF "
+                                        f"Qwen2.5-VL folder, or model.make_tiny_if_missing = true for a debug run)")
+            if self.rank == 0:
+                ensure_tiny_checkpoint(ckpt, cfg.model.flavor, cfg.job.seed)
+            self._barrier()
+        self.processor = load_processor(ckpt)
+        self.tokenizer = self.processor.tokenizer
+        self.eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        self.encoder = PromptEncoder(self.processor, cfg.data.max_prompt_tokens)
+
+        self.train_records, self.eval_records = self._load_data()
+        self.stream = PromptStream(self.train_records, cfg.data.prompts_per_step, seed=cfg.job.seed,
+                                   shuffle=cfg.data.shuffle)
+
+        dtype = DTYPES[cfg.model.dtype]
+        self.actor = build_model(hf_dir=ckpt, device=self.device, dtype=dtype, parallelize=self._parallelize)
+        if cfg.model.freeze_vision:
+            self.actor.visual.requires_grad_(False)
+        self.reference = None
+        if cfg.algorithm.kl_coef > 0:  # coefficient 0: the reference is never loaded
+            self.reference = build_model(hf_dir=ckpt, device=self.device, dtype=dtype,
+                                         parallelize=self._parallelize).eval().requires_grad_(False)
+        self.engine = RolloutEngine(self.actor, kv_pool_bytes=int(cfg.rollout.kv_pool_gib * 2**30),
+                                    max_batch=cfg.rollout.max_batch, pad_id=self.pad_id,
+                                    compile_decode=cfg.model.compile and self.device.type == "cuda")
+        self.scorer = make_scorer(cfg.runtime.mode, self.pad_id)
+        o = cfg.optimizer
+        self.optimizer = build_optimizer(self.actor, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler.warmup_steps, cfg.lr_scheduler.decay,
+                                               cfg.training.steps, cfg.lr_scheduler.min_lr_ratio)
+        self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.folder, cfg.checkpoint.interval,
+                                             cfg.checkpoint.keep_latest_k, cfg.checkpoint.enable)
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.metrics.tensorboard, rank=self.rank)
+        a = cfg.algorithm
+        self.loss_cfg = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, importance=a.importance,
+                                         loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                                         entropy_coef=a.entropy_coef)
+        self.step = 0
+        self.skipped_samples = 0
+
+    # ---- setup helpers --------------------------------------------------------------------------------
+    def _init_distributed(self) -> tuple[int, int]:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _parallelize(self, model):
+        if self.world == 1:
+            return model
+        from .models.qwen2_5_vl.parallelize import parallelize_for_training
+
+        return parallelize_for_training(model, self.cfg, self.world, self.device)
+
+    def _seed(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _load_data(self):
+        d = self.cfg.data
+        if d.train_file:
+            train_path, eval_path = Path(d.train_file), Path(d.eval_file) if d.eval_file else None
+        else:
+            if self.rank == 0:
+                generate_synthetic_task(d.synthetic_dir, d.synthetic_train, d.synthetic_eval, seed=self.cfg.job.seed,
+                                        image_size=(112, 112))
+            self._barrier()
+            train_path, eval_path = generate_synthetic_task(d.synthetic_dir, d.synthetic_train, d.synthetic_eval,
+                                                            seed=self.cfg.job.seed, image_size=(112, 112))
+        train = read_records(train_path, on_error="skip")
+        evals = read_records(eval_path, on_error="skip") if eval_path else []
+        return train, evals
+
+    def _local(self, items: list) -> list:
+        """This rank's share of a global batch (every rank draws the same global batch)."""
+        return items[self.rank::self.world]
+
+    def sampling_params(self, greedy: bool = False, n: int | None = None) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(n=n or r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              greedy=greedy, max_new_tokens=r.max_new_tokens, stop_token_ids=[self.eos_id],
+                              seed=self.cfg.job.seed * 100_003 + self.step * 1009 + self.rank)
+
+    # ---- supervised warm-up ---------------------------------------------------------------------------
+    def sft_warmup(self) -> None:
+        """A few supervised steps on `<answer>{answer}</answer>` so the random debug model answers in format."""
+        t = self.cfg.training
+        if t.sft_warmup_steps <= 0:
+            return
+        stream = PromptStream(self.train_records, t.sft_batch_size, seed=self.cfg.job.seed + 1)
+        optimizer = build_optimizer(self.actor, "adamw", t.sft_lr)
+        scorer = SerialScorer(self.pad_id)
+        progress = StepProgress(t.sft_warmup_steps, rank=self.rank, enable=self.cfg.metrics.progress_bar)
+        for step in range(1, t.sft_warmup_steps + 1):
+            batch = self.encoder.encode_batch(self._local(stream.next_batch()))
+            if not batch.prompts:
+                continue
+            targets = [self.tokenizer(f"<answer>{r.answer}</answer>", add_special_tokens=False)["input_ids"]
+                       + [self.eos_id] for r in batch.records]
+            width = max(len(x) for x in targets)
+            tokens = torch.tensor([x + [self.pad_id] * (width - len(x)) for x in targets], device=self.device)
+            lengths = torch.tensor([len(x) for x in targets], device=self.device)
+            request = ScoreRequest(batch.prompts, list(range(len(batch.prompts))), tokens, lengths)
+            logp, _ = scorer.score(self.actor, request, temperature=1.0)
+            loss = -(logp * request.mask).sum() / request.mask.sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            clip_grad_norm(self.actor.parameters(), 1.0)
+            optimizer.step()
+            progress.update(step, {"sft/loss": loss.item()})
+        progress.close()
+        del optimizer
+
+    # ---- evaluation ------------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        records = self._local(self.eval_records[:self.cfg.data.eval_prompts])
+        batch = self.encoder.encode_batch(records)
+        if not batch.prompts:
+            return {}
+        outputs = self.engine.generate(batch.prompts, self.sampling_params(greedy=True, n=1))
+        texts = self.tokenizer.batch_decode([o[0].token_ids for o in outputs], skip_special_tokens=True)
+        correct = [float(is_correct(t, r.answer)) for t, r in zip(texts, batch.records)]
+        formatted = [format_reward(t, r.answer) for t, r in zip(texts, batch.records)]
+        return {"eval/accuracy": self._mean(correct), "eval/format": self._mean(formatted)}
+
+    def _mean(self, values: list[float]) -> float:
+        total = torch.tensor([sum(values), len(values)], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        return float(total[0] / max(total[1], 1))
+
+    # ---- one RL step ------------------------------------------------------------------------------------
+    def train_step(self) -> tuple[dict[str, float], bool]:
+        cfg, timer = self.cfg, PhaseTimer(self.device)
+        t0 = time.perf_counter()
+        with timer.phase("data"):
+            batch = self.encoder.encode_batch(self._local(self.stream.next_batch()))
+        self.skipped_samples += len(batch.skipped)
+        metrics: dict[str, float] = {"skipped/bad_samples": float(self.skipped_samples)}
+        if not batch.prompts:
+            return metrics, False
+        with timer.phase("rollout"):
+            outputs = self.engine.generate(batch.prompts, self.sampling_params())
+            self.engine.release()  # the KV pool's memory goes back to training
+        exp = build_experience(batch.prompts, [r.answer for r in batch.records], outputs, self.tokenizer,
+                               cfg.reward.functions, cfg.reward.weights, cfg.algorithm.advantage,
+                               cfg.algorithm.dynamic_sampling, self.device)
+        whole_groups = cfg.runtime.mode != "serial"
+        mbs = cfg.algorithm.micro_batch_size
+        if self.reference is not None:
+            with timer.phase("ref"):
+                reference_phase(self.reference, self.scorer, exp, cfg.rollout.temperature, mbs, whole_groups)
+        with timer.phase("train"):
+            result = train_phase(self.actor, self.scorer, exp, self.optimizer, self.lr_scheduler, self.loss_cfg,
+                                 temperature=cfg.rollout.temperature, micro_batch_size=mbs, whole_groups=whole_groups,
+                                 ppo_epochs=cfg.algorithm.ppo_epochs, grad_clip=cfg.optimizer.grad_clip,
+                                 max_len=cfg.rollout.max_new_tokens)
+        rewards = exp.rewards
+        metrics.update({
+            "reward/mean": self._mean(rewards.tolist()),
+            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "accuracy": self._mean([float(c) for c in exp.correct]),
+            "response_length/mean": self._mean(exp.lengths.float().tolist()),
+            "groups/kept_fraction": float(exp.keep_groups.float().mean()),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "skipped/nonfinite_steps": float(result.skipped_nonfinite),
+            "tokens/scored": float(self.scorer.counts.total),
+        })
+        for name, values in exp.reward_parts.items():
+            metrics[f"reward/{name}"] = self._mean(values)
+        if result.stats is not None:
+            s = result.stats
+            metrics.update({"loss": float(s.loss), "pg_loss": float(s.pg_loss), "clip_fraction": float(s.clip_fraction),
+                            "ratio_mean": float(s.ratio_mean)})
+        if result.grad_norms:
+            metrics["grad_norm"] = result.grad_norms[-1]
+        if result.entropy is not None:
+            metrics["entropy"] = result.entropy
+        kl = kl_to_reference(exp, cfg.algorithm.kl_estimator)
+        if kl is not None:
+            metrics["kl"] = kl
+        metrics.update(timer.metrics())
+        metrics["time/step_s"] = time.perf_counter() - t0
+        return metrics, result.skipped_nonfinite == 0
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def train(self) -> dict[str, float]:
+        cfg = self.cfg
+        if cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpoints.latest_step() is not None:
+            self.step, extra = self.checkpoints.load(self.actor, self.optimizer, self.lr_scheduler)
+            self.stream.load_state_dict(extra["data"])
+            self.skipped_samples = extra.get("skipped_samples", 0)
+            log.info("resumed from step %d", self.step)
+        else:
+            self.sft_warmup()
+        last_eval: dict[str, float] = {}
+        if self.step == 0 and self.eval_records and cfg.metrics.eval_interval > 0:
+            last_eval = self.evaluate()
+            self.metrics.log(0, last_eval)
+        progress = StepProgress(cfg.training.steps, initial=self.step, rank=self.rank, enable=cfg.metrics.progress_bar)
+        while self.step < cfg.training.steps:
+            self.step += 1
+            metrics, finite = self.train_step()
+            last = self.step == cfg.training.steps
+            if self.eval_records and cfg.metrics.eval_interval > 0 and (self.step % cfg.metrics.eval_interval == 0 or last):
+                last_eval = self.evaluate()
+                metrics.update(last_eval)
+            self.metrics.log(self.step, metrics)
+            progress.update(self.step, metrics)
+            if self.step % cfg.metrics.log_interval == 0:
+                progress.write(format_step_line(self.step, cfg.training.steps, metrics))
+            if finite and self.checkpoints.should_save(self.step, last=last):
+                self.checkpoints.save(self.step, self.actor, self.optimizer, self.lr_scheduler,
+                                      extra={"data": self.stream.state_dict(), "skipped_samples": self.skipped_samples})
+        progress.close()
+        if cfg.checkpoint.export_hf_at_end:
+            save_hf_weights(self.actor, self.run_dir / "hf_export")
+        self.metrics.close()
+        if self.rank == 0:
+            self._plot()
+        return last_eval
+
+    def _plot(self) -> None:
+        try:
+            repo = Path(__file__).resolve().parents[1]
+            if str(repo) not in sys.path:
+                sys.path.insert(0, str(repo))
+            from tools.plot_metrics import plot_metrics
+
+            log.info("metrics plot: %s", plot_metrics(self.run_dir))
+        except Exception as err:  # a plot must never fail a finished run
+            log.warning("could not plot metrics: %s", err)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    cfg = load_config(argv)
+    trainer = Trainer(cfg)
+    trainer.train()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
