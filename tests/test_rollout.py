@@ -38,7 +38,8 @@ def teacher_forced(model, prompt, tokens, params):
     with torch.no_grad():
         batch = collate(model.args, [prompt], [tokens])
         image, video = encode_visuals(model, batch)
-        hidden = model(batch.input_ids, batch.position_ids, image_embeds=image, video_embeds=video)
+        hidden = model(batch.input_ids, batch.position_ids, image_embeds=image, video_embeds=video,
+                       prompt_lengths=batch.prompt_lengths)
         start = len(prompt.input_ids) - 1
         logp = processed_logprobs(model.logits(hidden[0, start:start + len(tokens)]), params)
         return logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)

@@ -31,7 +31,7 @@ from .data.prompts import PromptEncoder
 from .data.records import PromptStream, read_records
 from .data.synthetic import generate_synthetic_task
 from .models.qwen2_5_vl.build import build_model
-from .models.qwen2_5_vl.weights import save_hf_weights
+from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
 from .rl.losses import PolicyLossConfig
 from .rl.rewards import format_reward, is_correct
 from .rollout.engine import RolloutEngine
@@ -102,6 +102,8 @@ class Trainer:
         self.engine = RolloutEngine(self.actor, kv_pool_bytes=int(cfg.rollout.kv_pool_gib * 2**30),
                                     max_batch=cfg.rollout.max_batch, pad_id=self.pad_id,
                                     compile_decode=cfg.model.compile and self.device.type == "cuda")
+        if self.reference is not None and cfg.model.freeze_vision:
+            self.reference.visual = self.actor.visual  # the same frozen weights: keep one copy, encode once
         self.scorer = make_scorer(cfg.runtime.mode, self.pad_id)
         o = cfg.optimizer
         self.optimizer = build_optimizer(self.actor, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
@@ -194,6 +196,8 @@ class Trainer:
             clip_grad_norm(self.actor.parameters(), 1.0)
             optimizer.step()
             progress.update(step, {"sft/loss": loss.item()})
+            if step % 50 == 0 or step == t.sft_warmup_steps:
+                log.info("sft step %d/%d loss %.4f", step, t.sft_warmup_steps, loss.item())
         progress.close()
         del optimizer
 
@@ -225,13 +229,17 @@ class Trainer:
         metrics: dict[str, float] = {"skipped/bad_samples": float(self.skipped_samples)}
         if not batch.prompts:
             return metrics, False
+        decomposed = cfg.runtime.mode != "serial"
+        if decomposed:
+            self.scorer.new_step()
         with timer.phase("rollout"):
-            outputs = self.engine.generate(batch.prompts, self.sampling_params())
+            prefill = self.scorer.rollout_prefill(self.actor) if decomposed else None
+            outputs = self.engine.generate(batch.prompts, self.sampling_params(), prefill_fn=prefill)
             self.engine.release()  # the KV pool's memory goes back to training
         exp = build_experience(batch.prompts, [r.answer for r in batch.records], outputs, self.tokenizer,
                                cfg.reward.functions, cfg.reward.weights, cfg.algorithm.advantage,
                                cfg.algorithm.dynamic_sampling, self.device)
-        whole_groups = cfg.runtime.mode != "serial"
+        whole_groups = decomposed
         mbs = cfg.algorithm.micro_batch_size
         if self.reference is not None:
             with timer.phase("ref"):
@@ -250,8 +258,8 @@ class Trainer:
             "groups/kept_fraction": float(exp.keep_groups.float().mean()),
             "lr": self.optimizer.param_groups[0]["lr"],
             "skipped/nonfinite_steps": float(result.skipped_nonfinite),
-            "tokens/scored": float(self.scorer.counts.total),
         })
+        metrics.update(self._token_metrics())
         for name, values in exp.reward_parts.items():
             metrics[f"reward/{name}"] = self._mean(values)
         if result.stats is not None:
@@ -269,6 +277,18 @@ class Trainer:
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics, result.skipped_nonfinite == 0
 
+    def _token_metrics(self) -> dict[str, float]:
+        """Decoder token-forwards of this step's scoring (reference + actor), and what serial would have run."""
+        counts = self.scorer.counts
+        out = {"tokens/prefix": float(counts.prefix_tokens), "tokens/response": float(counts.response_tokens)}
+        serial = getattr(self.scorer, "serial_equivalent_tokens", counts.total)
+        out["tokens/serial_equivalent"] = float(serial)
+        out["tokens/saving_x"] = serial / max(counts.total, 1)
+        counts.prefix_tokens = counts.response_tokens = counts.vision_patches = 0
+        if hasattr(self.scorer, "serial_equivalent_tokens"):
+            self.scorer.serial_equivalent_tokens = 0
+        return out
+
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
         cfg = self.cfg
@@ -277,12 +297,17 @@ class Trainer:
             self.stream.load_state_dict(extra["data"])
             self.skipped_samples = extra.get("skipped_samples", 0)
             log.info("resumed from step %d", self.step)
-        else:
+        elif cfg.training.sft_warmup_steps > 0:
+            if self.eval_records and cfg.metrics.eval_interval > 0:
+                before = self.evaluate()
+                self.metrics.log(0, {f"{k}_before_sft": v for k, v in before.items()})
+                log.info("eval before SFT warm-up: %s", before)
             self.sft_warmup()
         last_eval: dict[str, float] = {}
         if self.step == 0 and self.eval_records and cfg.metrics.eval_interval > 0:
             last_eval = self.evaluate()
             self.metrics.log(0, last_eval)
+            log.info("eval at step 0: %s", last_eval)
         progress = StepProgress(cfg.training.steps, initial=self.step, rank=self.rank, enable=cfg.metrics.progress_bar)
         while self.step < cfg.training.steps:
             self.step += 1
@@ -301,6 +326,8 @@ class Trainer:
         progress.close()
         if cfg.checkpoint.export_hf_at_end:
             save_hf_weights(self.actor, self.run_dir / "hf_export")
+            if self.rank == 0:
+                copy_non_weight_files(self.cfg.model.hf_checkpoint, self.run_dir / "hf_export")
         self.metrics.close()
         if self.rank == 0:
             self._plot()

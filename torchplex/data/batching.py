@@ -27,6 +27,7 @@ class ModelBatch:
     image_grid_thw: torch.Tensor | None
     pixel_values_videos: torch.Tensor | None
     video_grid_thw: torch.Tensor | None
+    prompt_lengths: torch.Tensor     # (B,) prompt part of each row; response tokens after it are text
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -45,25 +46,27 @@ def _cat(items: list[torch.Tensor | None]) -> torch.Tensor | None:
 def collate(args: ModelArgs, prompts: Sequence, responses: Sequence[Sequence[int]] | None = None,
             pad_id: int = 0, pad_to_multiple: int = 1) -> ModelBatch:
     """Right-pad prompts (each followed by its response tokens when given) into one batch."""
-    rows = []
-    for i, p in enumerate(prompts):
-        ids = p.input_ids.tolist() if torch.is_tensor(p.input_ids) else list(p.input_ids)
-        if responses is not None:
-            ids = ids + list(responses[i])
-        rows.append(ids)
-    width = max(len(r) for r in rows)
-    width = -(-width // pad_to_multiple) * pad_to_multiple
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        input_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    prompt_rows = [p.input_ids.tolist() if torch.is_tensor(p.input_ids) else list(p.input_ids) for p in prompts]
+    response_rows = [list(r) for r in responses] if responses is not None else [[] for _ in prompts]
+    prompt_lengths = torch.tensor([len(r) for r in prompt_rows], dtype=torch.long)
+    lengths = prompt_lengths + torch.tensor([len(r) for r in response_rows], dtype=torch.long)
+    width = -(-int(lengths.max()) // pad_to_multiple) * pad_to_multiple
+    input_ids = torch.full((len(prompt_rows), width), pad_id, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_rows, response_rows)):
+        input_ids[i, :len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
     image_grid = _cat([p.image_grid_thw for p in prompts])
     video_grid = _cat([p.video_grid_thw for p in prompts])
     seconds = _cat([getattr(p, "second_per_grid_ts", None) for p in prompts])
-    mask = torch.arange(width)[None] < lengths[:, None]
-    position_ids, next_position = get_rope_index(args, input_ids, image_grid, video_grid, seconds, mask)
+    # Visual grids are laid out over the prompts only; response tokens continue as text whatever their ids.
+    in_prompt = torch.arange(width)[None] < prompt_lengths[:, None]
+    position_ids, next_position = get_rope_index(args, input_ids, image_grid, video_grid, seconds, in_prompt)
+    if responses is not None:
+        for i, r in enumerate(response_rows):
+            p = len(prompt_rows[i])
+            position_ids[:, i, p:p + len(r)] = next_position[i] + torch.arange(len(r))
+        next_position = next_position + lengths - prompt_lengths
     return ModelBatch(input_ids, lengths, position_ids, next_position, _cat([p.pixel_values for p in prompts]),
-                      image_grid, _cat([p.pixel_values_videos for p in prompts]), video_grid)
+                      image_grid, _cat([p.pixel_values_videos for p in prompts]), video_grid, prompt_lengths)
 
 
 def encode_visuals(model, batch: ModelBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -86,7 +86,7 @@ class SerialScorer:
         batch = collate(model.args, prompts, responses, pad_id=self.pad_id).to(device)
         image, video = encode_visuals(model, batch)
         hidden = model(batch.input_ids, batch.position_ids, image_embeds=image, video_embeds=video,
-                       attention_mask=batch.attention_mask)
+                       attention_mask=batch.attention_mask, prompt_lengths=batch.prompt_lengths)
         # Row j of a response is predicted by the hidden state one position before it.
         prompt_lens = torch.tensor([len(p.input_ids) for p in prompts], device=device)
         width = request.tokens.shape[1]

@@ -286,12 +286,21 @@ class Qwen2_5_VLModel(nn.Module):
 
     # ---- shared pieces ----------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None,
-              video_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings with visual embeddings spliced in at the image/video pad tokens, in order."""
+              video_embeds: torch.Tensor | None = None, prompt_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings with visual embeddings spliced in at the image/video pad tokens, in order.
+
+        With `prompt_lengths` (B,), only the first prompt_lengths[b] tokens of row b can be visual slots: a pad id
+        that a policy happened to sample in its response is an ordinary token there.
+        """
         h = self.tok_embeddings(input_ids)
+        in_prompt = None
+        if prompt_lengths is not None:
+            in_prompt = torch.arange(input_ids.shape[1], device=input_ids.device)[None] < prompt_lengths[:, None]
         for token_id, embeds, kind in ((self.args.image_token_id, image_embeds, "image"),
                                        (self.args.video_token_id, video_embeds, "video")):
             slots = input_ids == token_id
+            if in_prompt is not None:
+                slots = slots & in_prompt
             count = int(slots.sum())
             have = 0 if embeds is None else embeds.shape[0]
             if count != have:
@@ -310,11 +319,12 @@ class Qwen2_5_VLModel(nn.Module):
     # ---- (d) full sequence --------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 image_embeds: torch.Tensor | None = None, video_embeds: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
+                prompt_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states (B, T, D) of a padded (attention_mask) or packed (segment_ids) batch."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(3, *input_ids.shape)
-        h = self.embed(input_ids, image_embeds, video_embeds)
+        h = self.embed(input_ids, image_embeds, video_embeds, prompt_lengths)
         return self.decode(h, position_ids, CausalAttention(attention_mask, segment_ids))
 
     # ---- (b) prefix -------------------------------------------------------------------------------

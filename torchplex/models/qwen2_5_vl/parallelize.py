@@ -1,0 +1,159 @@
+"""Apply tensor parallelism, activation checkpointing, torch.compile and FSDP2 to Qwen2.5-VL, in that order.
+
+The order is torchtitan's: TP first turns the decoder's linear weights into DTensors on the `tp` mesh; the
+checkpoint and compile wrappers then see the TP'd layers; FSDP2 last shards every parameter (TP'd or not)
+over the `dp_shard` mesh, giving 2-D (dp_shard, tp) DTensors for the TP'd weights.
+
+What gets split, and why:
+  decoder layers  Megatron-style TP: wq/wk/wv and w1/w3 column-parallel (each rank owns whole heads and a
+                  slice of the MLP), wo and w2 row-parallel (one all-reduce after attention, one after the
+                  MLP). The residual stream stays a plain, replicated tensor between layers, so the attention
+                  contexts (causal, prefix, shared-prefix) run unchanged on the rank's local heads, and the
+                  K/V a PrefixState records are that rank's heads only.
+  embeddings /    replicated over tp. They are tied in the small flavors, and `model.logits` reads the weight
+  LM head         directly rather than through a module call, so a vocab-parallel split would need
+                  vocab-parallel log-softmax in every caller; FSDP2 still shards them over dp_shard.
+  vision tower    replicated over tp. The fused `qkv` weight is laid out (3, heads, head_dim) on its output
+                  dim, so a plain column split would hand a rank all of q and half of k; splitting it right
+                  needs a strided layout, for a tower that is ~10% of the 7B model's compute. Every TP peer
+                  encodes the same images; FSDP2 shards it over dp_shard. Gradients stay identical across TP
+                  peers because the residual-stream gradient is all-reduced at each column-parallel input.
+No sequence parallelism: the attention contexts need the whole sequence, and norms are cheap at these widths.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
+
+from torchplex.distributed.mesh import ParallelDims
+from .model import Qwen2_5_VLModel
+
+# Entry points besides forward() that run parameters of the root FSDP unit (embeddings, final norm, LM head,
+# and through encode_vision the tower's patch embed and merger). FSDP2 only hooks `forward`; registering
+# these makes each call all-gather the root unit first and wires its gradients into the reduce-scatter.
+ROOT_METHODS = ("encode_vision", "prefix_forward", "suffix_forward", "logits")
+
+DECODER_LAYER_TP_PLAN = {
+    "attention.wq": ColwiseParallel(),
+    "attention.wk": ColwiseParallel(),
+    "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(),
+    "feed_forward.w1": ColwiseParallel(),
+    "feed_forward.w3": ColwiseParallel(),
+    "feed_forward.w2": RowwiseParallel(),
+}
+
+
+def check_tp_divisibility(model: Qwen2_5_VLModel, tp: int) -> None:
+    """Each TP rank must own whole attention heads (q and kv) and an even slice of the MLP."""
+    t = model.args.text
+    for name, value in (("text.num_heads", t.num_heads), ("text.num_kv_heads", t.num_kv_heads),
+                        ("text.intermediate_size", t.intermediate_size)):
+        if value % tp:
+            raise ValueError(f"tensor parallel degree {tp} does not divide {name} = {value}; "
+                             f"choose tp among the divisors of {name}")
+
+
+def apply_tp(model: Qwen2_5_VLModel, tp_mesh) -> None:
+    check_tp_divisibility(model, tp_mesh.size())
+    for layer in model.layers:
+        # use_local_output (the default) hands plain local tensors back to the layer, so
+        # `.view(b, t, -1, head_dim)` in Attention sees num_heads / tp heads.
+        parallelize_module(layer, tp_mesh, DECODER_LAYER_TP_PLAN)
+
+
+# ---- activation checkpointing ------------------------------------------------------------------------
+# The block's class is swapped for a subclass whose forward runs under non-reentrant checkpointing, the way
+# FSDP2 swaps classes, instead of wrapping the block in another module: parameter names stay exactly
+# `layers.3.attention.wq.weight`, so loaders, optimizers and state dicts see the same model either way.
+_CHECKPOINTED_CLASSES: dict[type, type] = {}
+
+
+def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    if cls not in _CHECKPOINTED_CLASSES:
+        def forward(self, *args, **kwargs):
+            return checkpoint(cls.forward, self, *args, use_reentrant=False, **kwargs)
+
+        _CHECKPOINTED_CLASSES[cls] = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
+    return _CHECKPOINTED_CLASSES[cls]
+
+
+def checkpoint_block(block: nn.Module) -> None:
+    """Recompute this block's activations in backward instead of keeping them. Idempotent."""
+    if not any(isinstance(block, c) for c in _CHECKPOINTED_CLASSES.values()):
+        block.__class__ = _checkpointed_class(type(block))
+
+
+def apply_activation_checkpointing(model: Qwen2_5_VLModel) -> None:
+    for block in list(model.layers) + list(model.visual.blocks):
+        checkpoint_block(block)
+
+
+def apply_compile(model: Qwen2_5_VLModel, backend: str = "inductor") -> None:
+    """Compile each decoder layer (all layers share one graph). The vision blocks are left eager: their
+    window boundaries are host lists that change with every image grid, which would recompile."""
+    for layer in model.layers:
+        layer.compile(backend=backend)
+
+
+def apply_fsdp(model: Qwen2_5_VLModel, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard_after_forward: bool = True) -> None:
+    """One FSDP2 unit per vision block and per decoder layer, one for the rest of the tower, and the root
+    (embeddings, final norm, LM head). Frozen parameters are sharded like the others; they get no grads."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    common = dict(mesh=dp_mesh, mp_policy=mp)
+    for block in model.visual.blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **common)
+    fully_shard(model.visual, reshard_after_forward=reshard_after_forward, **common)
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **common)
+    # FSDP2 keeps the root unit gathered from forward to backward, so the LM head (read again by `logits`
+    # after forward returns) is not gathered twice.
+    fully_shard(model, **common)
+    for method in ROOT_METHODS:
+        register_fsdp_forward_method(model, method)
+
+
+def parallelize_qwen2_5_vl(
+    model: Qwen2_5_VLModel,
+    parallel_dims: ParallelDims | None,
+    *,
+    tp: bool | None = None,
+    fsdp: bool | None = None,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    compile_backend: str = "inductor",
+    freeze_vision: bool = False,
+    reshard_after_forward: bool = True,
+) -> Qwen2_5_VLModel:
+    """Parallelise `model` in place (best built on the meta device, materialised afterwards) and return it.
+
+    tp / fsdp default to "the axis has degree > 1"; either may be forced on at degree 1 (FSDP2 at degree 1
+    still applies the mixed-precision policy). `parallel_dims` may be None when neither is used.
+    FSDP2 averages gradients over dp_shard ranks: each rank's loss should be its local mean (or the caller
+    sets `set_gradient_divide_factor` on the FSDP modules and normalises globally).
+    """
+    if tp is None:
+        tp = parallel_dims is not None and parallel_dims.tp_enabled
+    if fsdp is None:
+        fsdp = parallel_dims is not None and parallel_dims.fsdp_enabled
+    if (tp or fsdp) and parallel_dims is None:
+        raise ValueError("parallelize_qwen2_5_vl: tp/fsdp requested but parallel_dims is None")
+
+    if freeze_vision:
+        model.visual.requires_grad_(False)
+    if tp:
+        apply_tp(model, parallel_dims.tp_mesh)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model, compile_backend)
+    if fsdp:
+        apply_fsdp(model, parallel_dims.dp_mesh, param_dtype, reduce_dtype, reshard_after_forward)
+    return model
