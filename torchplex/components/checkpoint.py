@@ -274,6 +274,13 @@ class CheckpointManager:
         elif step not in available:
             raise FileNotFoundError(f"no checkpoint {self.step_dir(step)}; available steps: {available}")
         ckpt_dir = self.step_dir(step)
+        # Checked first so that a failed load leaves the model untouched.
+        train_state_path = ckpt_dir / _train_state_filename(_rank())
+        if not train_state_path.is_file():
+            raise FileNotFoundError(
+                f"{train_state_path} is missing: the checkpoint was saved with fewer ranks; "
+                "model and optimizer reshard, but per-rank RNG/extra state cannot"
+            )
 
         optimizer_in_dcp = optimizer is not None and _dcp_handles(optimizer)
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
@@ -285,12 +292,6 @@ class CheckpointManager:
         if optimizer_in_dcp:
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
-        train_state_path = ckpt_dir / _train_state_filename(_rank())
-        if not train_state_path.is_file():
-            raise FileNotFoundError(
-                f"{train_state_path} is missing: the checkpoint was saved with fewer ranks; "
-                "model and optimizer reshard, but per-rank RNG/extra state cannot"
-            )
         # map_location: RNG states must be CPU tensors; optimizer.load_state_dict moves state to params.
         train_state = torch.load(train_state_path, map_location="cpu", weights_only=True)
         if optimizer is not None and not optimizer_in_dcp:

@@ -64,6 +64,8 @@ def build_optimizer(
     adamw_cpu_offload:  torchao.optim.CPUOffloadOptimizer around AdamW: moments and the update live
                         on the host, parameters on the GPU. CUDA only, and meant for one GPU
                         (not FSDP); its state_dict is torchao's own, not DCP-reshardable.
+                        It copies gradients to the host during backward, so clipping must go
+                        through `clip_grad_norm(..., optimizer=...)` to reach those copies.
     """
     params = _trainable_params(params_or_model)
     hyper = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -133,13 +135,21 @@ def build_lr_scheduler(
     return LambdaLR(optimizer, multiplier)
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> float:
+def clip_grad_norm(
+    params: Iterable[torch.Tensor],
+    max_norm: float | None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> float:
     """Total L2 norm of the gradients (before clipping) as a Python float; clip to `max_norm`.
 
     Works for plain tensors and DTensors (FSDP2 shards): the norm of sharded grads comes back as a
     partial DTensor and `full_tensor()` all-reduces it, so every rank returns the global norm.
     A non-finite norm is returned as is and the gradients are left untouched, so the trainer can see
     it and skip the step. `max_norm` None or <= 0 only measures.
+
+    Pass `optimizer` when it may be torchao's CPUOffloadOptimizer: it has already copied the
+    gradients of offloaded parameters to host tensors (`param_d2h_map[p].grad`, on a side stream,
+    during backward) and steps on those, so they are scaled too, after that copy has finished.
     """
     params = [p for p in params if p.grad is not None]
     if not params:
@@ -150,5 +160,17 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> fl
         total_norm = total_norm.full_tensor()
     norm = float(total_norm)
     if max_norm is not None and max_norm > 0 and math.isfinite(norm):
+        host_params = _offloaded_host_params(optimizer)  # waits for the device-to-host grad copies
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+        if host_params:
+            torch.nn.utils.clip_grads_with_norm_(host_params, max_norm, total_norm.cpu())
     return norm
+
+
+def _offloaded_host_params(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Host parameters whose `.grad` an offloading optimizer steps on, once the copies are done."""
+    host_params = list(getattr(optimizer, "param_d2h_map", {}).values())
+    stream = getattr(optimizer, "stream", None)
+    if host_params and stream is not None:
+        stream.synchronize()
+    return [p for p in host_params if p.grad is not None]

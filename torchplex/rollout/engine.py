@@ -84,7 +84,13 @@ class RolloutEngine:
                                max_prompt=max_prompt, max_new=max_new, budget_bytes=self.kv_pool_bytes,
                                max_groups=max_groups, dtype=dtype, device=self.device)
             self._step_fn = None
-        pool.reserve()
+        if pool.prefix_k is None:
+            pool.reserve()
+            self._step_fn = None  # new storage: a captured graph must not keep the old addresses
+        if self.compile_decode:
+            # The pool is mutated inside the compiled step; fixed addresses let CUDA graphs capture it in place.
+            for t in pool.prefix_k + pool.prefix_v + pool.suffix_k + pool.suffix_v:
+                torch._dynamo.mark_static_address(t)
         self.pool = pool
         return pool
 

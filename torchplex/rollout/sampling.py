@@ -61,26 +61,31 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     return torch.log_softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
 
 
-_M1 = -4658895280553007687  # 0xbf58476d1ce4e5b9 as int64
-_M2 = -7723592293110705685  # 0x94d049bb133111eb as int64
-_GOLDEN = -7046029254386353131  # 0x9e3779b97f4a7c15 as int64
+_M32 = 0xFFFFFFFF
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finaliser on int64 (arithmetic shifts masked to act as logical shifts)."""
-    x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * _M1
-    x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * _M2
-    return x ^ ((x >> 31) & ((1 << 33) - 1))
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for 0 <= x < 2**32, in int64 without ever overflowing (signed overflow is undefined in
+    the C++ that torch.compile generates on CPU, and gave wrong samples there)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """(S, vocab) uniforms in (0, 1), a pure function of (seed, step, token id)."""
-    key = _mix(seeds.long() * _GOLDEN + steps.long())
-    x = _mix(key[:, None] + torch.arange(vocab, device=seeds.device) * _GOLDEN)
-    bits = (x >> 40) & ((1 << 24) - 1)
-    return (bits.float() + 0.5) / float(1 << 24)
+    seeds, steps = seeds.long(), steps.long()
+    key = _fmix32(_fmix32((seeds & _M32) ^ _fmix32((seeds >> 32) & _M32)) ^ (steps & _M32))
+    token = _mul32(torch.arange(vocab, device=seeds.device), 0x9E3779B9)
+    bits = _fmix32(_fmix32((key[:, None] + token) & _M32) ^ key[:, None])
+    return ((bits >> 8).float() + 0.5) / float(1 << 24)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor, steps: torch.Tensor

@@ -15,7 +15,7 @@ What gets split, and why:
                   vocab-parallel log-softmax in every caller; FSDP2 still shards them over dp_shard.
   vision tower    replicated over tp. The fused `qkv` weight is laid out (3, heads, head_dim) on its output
                   dim, so a plain column split would hand a rank all of q and half of k; splitting it right
-                  needs a strided layout, for a tower that is ~10% of the 7B model's compute. Every TP peer
+                  needs a strided layout, for a ~0.67B-parameter tower beside a 7B decoder. Every TP peer
                   encodes the same images; FSDP2 shards it over dp_shard. Gradients stay identical across TP
                   peers because the residual-stream gradient is all-reduced at each column-parallel input.
 No sequence parallelism: the attention contexts need the whole sequence, and norms are cheap at these widths.
@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from torchplex.distributed.mesh import ParallelDims
 from .model import Qwen2_5_VLModel
 
-# Entry points besides forward() that run parameters of the root FSDP unit (embeddings, final norm, LM head,
-# and through encode_vision the tower's patch embed and merger). FSDP2 only hooks `forward`; registering
-# these makes each call all-gather the root unit first and wires its gradients into the reduce-scatter.
+# Entry points besides forward() that callers use. FSDP2 only hooks `forward`; registering these makes each
+# call go through the root's pre/post-forward: gather the root unit (embeddings, final norm, LM head, which
+# `logits` reads without a module call), wire its gradients into the reduce-scatter, and, for whichever
+# runs first, initialise FSDP with the model as root (encode_vision would otherwise make the tower root).
+# `embed` and `decode` are internals of these and are not safe to call directly under FSDP.
 ROOT_METHODS = ("encode_vision", "prefix_forward", "suffix_forward", "logits")
 
 DECODER_LAYER_TP_PLAN = {
@@ -70,6 +72,8 @@ def apply_tp(model: Qwen2_5_VLModel, tp_mesh) -> None:
 # The block's class is swapped for a subclass whose forward runs under non-reentrant checkpointing, the way
 # FSDP2 swaps classes, instead of wrapping the block in another module: parameter names stay exactly
 # `layers.3.attention.wq.weight`, so loaders, optimizers and state dicts see the same model either way.
+# Eager recompute replays the layer's Python side effects: a PrefixAttention context records that layer's
+# K/V once more during backward (extra list entries after the first num_layers; those are never read).
 _CHECKPOINTED_CLASSES: dict[type, type] = {}
 
 
@@ -95,7 +99,15 @@ def apply_activation_checkpointing(model: Qwen2_5_VLModel) -> None:
 
 def apply_compile(model: Qwen2_5_VLModel, backend: str = "inductor") -> None:
     """Compile each decoder layer (all layers share one graph). The vision blocks are left eager: their
-    window boundaries are host lists that change with every image grid, which would recompile."""
+    window boundaries are host lists that change with every image grid, which would recompile.
+
+    Attention contexts mutate themselves (a cached mask, a prefix's recorded K/V). Under activation
+    checkpointing the layer body is traced as one checkpoint region, where dynamo refuses such mutations
+    unless told not to replay them during the backward recompute; not replaying them is also what we want
+    (the recompute must not record a prefix's K/V a second time).
+    """
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in model.layers:
         layer.compile(backend=backend)
 
@@ -111,11 +123,25 @@ def apply_fsdp(model: Qwen2_5_VLModel, dp_mesh, param_dtype: torch.dtype, reduce
     fully_shard(model.visual, reshard_after_forward=reshard_after_forward, **common)
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **common)
-    # FSDP2 keeps the root unit gathered from forward to backward, so the LM head (read again by `logits`
-    # after forward returns) is not gathered twice.
+    # reshard_after_forward left unset on the root: FSDP2 then keeps the root unit gathered from its first
+    # call until the end of backward, so chunked `logits` calls do not all-gather the LM head per chunk.
+    # The price is that a no-grad call (rollout, reference log-probs) leaves it gathered: see `reshard`.
     fully_shard(model, **common)
     for method in ROOT_METHODS:
         register_fsdp_forward_method(model, method)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every FSDP2 unit's gathered parameters; a no-op for units already sharded or without FSDP.
+
+    Call it after a no-grad phase. The root unit (embeddings, final norm, LM head) is only resharded at the
+    end of a backward, so after forward-only calls it stays gathered: that memory stays in use, an optimizer
+    built then would see the gathered copies instead of the sharded parameters, and an optimizer step taken
+    then would not reach the gathered copy the next forward reuses.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def parallelize_qwen2_5_vl(

@@ -1,0 +1,173 @@
+"""Decode-step speed of the native rollout engine against its bandwidth floor and transformers' generate.
+
+    python benchmarks/decode_bench.py --geometry 7B --batch 64 256 --context 2048 --steps 64 --hf
+
+Random bf16 weights with the Qwen2.5-VL language geometry (the vision tower plays no part in decode and is cut
+to one block). Each sequence has its own 2048-token context (n=1 groups), already in the KV pool, so the timed
+loop is pure decode: embed, 28 layers over the cache, LM head, sampling. The floor is the bytes one step must
+read (weights + every sequence's K/V) over the copy bandwidth measured in the same process. transformers runs
+`generate` on the same prompts; its per-step time is (t(1 + k new tokens) - t(1 new token)) / k.
+Also runs a long loop of replays (--long-steps) under a watchdog, since long CUDA-graph replay loops hung on
+this machine before (../shared/probes/FINDINGS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchplex.models.qwen2_5_vl.args import get_flavor  # noqa: E402
+from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel  # noqa: E402
+from torchplex.rollout.engine import RolloutEngine  # noqa: E402
+from torchplex.rollout.sampling import SamplingParams  # noqa: E402
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    reps = 20
+    for _ in range(reps):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * reps / (time.perf_counter() - t)
+
+
+def bench_args(geometry: str):
+    args = get_flavor(geometry)
+    args.vision.depth = 1
+    args.vision.fullatt_block_indexes = (0,)
+    return args
+
+
+def native_decode(model, batch: int, context: int, steps: int, warmup: int, compile_decode: bool):
+    args = model.args
+    engine = RolloutEngine(model, kv_pool_bytes=200 * 2**30, max_batch=batch, compile_decode=compile_decode)
+    max_new = steps + warmup + 2
+    pool = engine._pool_for(1, context, max_new, batch)
+    pool.prompt_len[:] = context
+    for t in pool.prefix_k + pool.prefix_v:
+        t.normal_(0, 1)
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=max_new, seed=0)
+    step_fn = engine._step(params)
+    dev = model.output_weight.device
+    tokens = torch.randint(0, args.text.vocab_size, (batch,), device=dev)
+    seeds = torch.arange(batch, device=dev)
+    start = torch.full((batch,), context, device=dev)
+
+    def run(i):
+        nonlocal tokens
+        count = torch.full((batch,), i + 1, device=dev)
+        tok, lp = step_fn(params, tokens, start + i, count - 1, seeds, count)
+        tokens = tok.clone()
+
+    for i in range(warmup):
+        run(i)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        run(i)
+    torch.cuda.synchronize()
+    per_step = (time.perf_counter() - t) / steps
+    kv_bytes = sum(x.numel() * x.element_size() for x in pool.prefix_k + pool.prefix_v)
+    engine.release()
+    return per_step, kv_bytes
+
+
+def hf_decode(args, batch: int, context: int, new_tokens: int):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    cfg = Qwen2_5_VLConfig(**args.to_hf_config())
+    with torch.device("cuda"):
+        hf = Qwen2_5_VLForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 1000, (batch, context), device="cuda")
+    mask = torch.ones_like(ids)
+
+    def timed(k):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=True,
+                        pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    timed(2)
+    t1, tk = timed(1), timed(1 + new_tokens)
+    del hf
+    torch.cuda.empty_cache()
+    return (tk - t1) / new_tokens
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--geometry", default="7B")
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--hf", action="store_true", help="also time transformers' generate")
+    ap.add_argument("--hf-new-tokens", type=int, default=16)
+    ap.add_argument("--eager", action="store_true", help="no torch.compile / CUDA graphs")
+    ap.add_argument("--long-steps", type=int, default=0, help="replays in the long-run hang check")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    faulthandler.dump_traceback_later(540, exit=True)
+    dev = torch.device("cuda")
+    args = bench_args(a.geometry)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Qwen2_5_VLModel(args)
+    model = model.to(torch.bfloat16).to_empty(device=dev)
+    model.init_weights()
+    model.eval()
+    bw = copy_bandwidth(dev)
+    lm = model.layers, model.tok_embeddings, model.norm
+    weight_bytes = sum(p.numel() * p.element_size() for m in lm for p in m.parameters())
+    weight_bytes += model.output_weight.numel() * model.output_weight.element_size() * (model.output is not None)
+    rows = []
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "copy_bandwidth_GBps": bw / 1e9, "geometry": a.geometry, "context": a.context,
+            "compiled": not a.eager, "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")}
+    for batch in a.batch:
+        per_step, kv_bytes = native_decode(model, batch, a.context, a.steps, a.warmup, not a.eager)
+        # One step reads every weight once (the tied/untied LM head included) and every cached K/V once.
+        floor = (weight_bytes + kv_bytes) / bw
+        row = {"batch": batch, "step_ms": per_step * 1e3, "tokens_per_s": batch / per_step,
+               "floor_ms": floor * 1e3, "fraction_of_floor": floor / per_step}
+        if a.hf:
+            try:
+                hf_step = hf_decode(args, batch, a.context, a.hf_new_tokens)
+                row.update(hf_step_ms=hf_step * 1e3, speedup_vs_hf=hf_step / per_step)
+            except torch.OutOfMemoryError as err:
+                row.update(hf_step_ms=None, hf_error=str(err)[:200])
+                torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if a.long_steps:
+        t = time.perf_counter()
+        per_step, _ = native_decode(model, a.batch[0], a.context, a.long_steps, 2, not a.eager)
+        info["long_run"] = {"batch": a.batch[0], "replays": a.long_steps, "step_ms": per_step * 1e3,
+                            "completed": True, "wall_s": time.perf_counter() - t}
+        print(json.dumps(info["long_run"]), flush=True)
+    result = {"info": info, "rows": rows}
+    print(json.dumps(info))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
