@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import sys
 import time
@@ -30,7 +29,9 @@ from .data.processing import load_processor
 from .data.prompts import PromptEncoder
 from .data.records import PromptStream, read_records
 from .data.synthetic import generate_synthetic_task
+from .distributed.mesh import build_parallel_dims, destroy_distributed, init_distributed
 from .models.qwen2_5_vl.build import build_model
+from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl, reshard
 from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
 from .rl.losses import PolicyLossConfig
 from .rl.rewards import format_reward, is_correct
@@ -65,8 +66,13 @@ def make_scorer(mode: str, pad_id: int):
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.rank, self.world = self._init_distributed()
-        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+        self.rank, self.world, self.device = init_distributed()
+        p = cfg.parallelism
+        self.dims = build_parallel_dims(p.dp_shard, p.tp, self.world) if self.world > 1 else None
+        # Every rank draws the same global batch; each data-parallel rank takes its share (TP peers share one).
+        self.dp_rank = self.dims.dp_rank if self.dims else 0
+        self.dp_size = self.dims.dp_shard if self.dims else 1
+        self.dp_group = self.dims.dp_mesh.get_group() if self.dims and self.dp_size > 1 else None
         self.run_dir = cfg.job.run_dir
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -120,24 +126,17 @@ class Trainer:
         self.skipped_samples = 0
 
     # ---- setup helpers --------------------------------------------------------------------------------
-    def _init_distributed(self) -> tuple[int, int]:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
 
     def _parallelize(self, model):
-        if self.world == 1:
+        m = self.cfg.model
+        if self.dims is None and not (m.activation_checkpointing or m.compile):
             return model
-        from .models.qwen2_5_vl.parallelize import parallelize_for_training
-
-        return parallelize_for_training(model, self.cfg, self.world, self.device)
+        return parallelize_qwen2_5_vl(model, self.dims, param_dtype=DTYPES[m.dtype], reduce_dtype=torch.float32,
+                                      activation_checkpointing=m.activation_checkpointing, compile=m.compile,
+                                      freeze_vision=m.freeze_vision)
 
     def _seed(self, seed: int) -> None:
         random.seed(seed)
@@ -160,14 +159,14 @@ class Trainer:
         return train, evals
 
     def _local(self, items: list) -> list:
-        """This rank's share of a global batch (every rank draws the same global batch)."""
-        return items[self.rank::self.world]
+        """This data-parallel rank's share of a global batch."""
+        return items[self.dp_rank::self.dp_size]
 
     def sampling_params(self, greedy: bool = False, n: int | None = None) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(n=n or r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               greedy=greedy, max_new_tokens=r.max_new_tokens, stop_token_ids=[self.eos_id],
-                              seed=self.cfg.job.seed * 100_003 + self.step * 1009 + self.rank)
+                              seed=self.cfg.job.seed * 100_003 + self.step * 1009 + self.dp_rank)
 
     # ---- supervised warm-up ---------------------------------------------------------------------------
     def sft_warmup(self) -> None:
@@ -190,10 +189,11 @@ class Trainer:
             lengths = torch.tensor([len(x) for x in targets], device=self.device)
             request = ScoreRequest(batch.prompts, list(range(len(batch.prompts))), tokens, lengths)
             logp, _ = scorer.score(self.actor, request, temperature=1.0)
-            loss = -(logp * request.mask).sum() / request.mask.sum()
+            loss = -(logp * request.mask).sum() / self._sum(float(request.mask.sum()))
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * self.dp_size).backward()
             clip_grad_norm(self.actor.parameters(), 1.0)
+            reshard(self.actor)
             optimizer.step()
             progress.update(step, {"sft/loss": loss.item()})
             if step % 50 == 0 or step == t.sft_warmup_steps:
@@ -208,15 +208,22 @@ class Trainer:
         if not batch.prompts:
             return {}
         outputs = self.engine.generate(batch.prompts, self.sampling_params(greedy=True, n=1))
+        reshard(self.actor)
         texts = self.tokenizer.batch_decode([o[0].token_ids for o in outputs], skip_special_tokens=True)
         correct = [float(is_correct(t, r.answer)) for t, r in zip(texts, batch.records)]
         formatted = [format_reward(t, r.answer) for t, r in zip(texts, batch.records)]
         return {"eval/accuracy": self._mean(correct), "eval/format": self._mean(formatted)}
 
+    def _sum(self, value: float) -> float:
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+        return float(total[0])
+
     def _mean(self, values: list[float]) -> float:
-        total = torch.tensor([sum(values), len(values)], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(total)
+        total = torch.tensor([sum(values), len(values)], dtype=torch.float64, device=self.device)
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
         return float(total[0] / max(total[1], 1))
 
     # ---- one RL step ------------------------------------------------------------------------------------
@@ -236,6 +243,7 @@ class Trainer:
             prefill = self.scorer.rollout_prefill(self.actor) if decomposed else None
             outputs = self.engine.generate(batch.prompts, self.sampling_params(), prefill_fn=prefill)
             self.engine.release()  # the KV pool's memory goes back to training
+            reshard(self.actor)
         exp = build_experience(batch.prompts, [r.answer for r in batch.records], outputs, self.tokenizer,
                                cfg.reward.functions, cfg.reward.weights, cfg.algorithm.advantage,
                                cfg.algorithm.dynamic_sampling, self.device)
@@ -244,11 +252,12 @@ class Trainer:
         if self.reference is not None:
             with timer.phase("ref"):
                 reference_phase(self.reference, self.scorer, exp, cfg.rollout.temperature, mbs, whole_groups)
+                reshard(self.reference)
         with timer.phase("train"):
             result = train_phase(self.actor, self.scorer, exp, self.optimizer, self.lr_scheduler, self.loss_cfg,
                                  temperature=cfg.rollout.temperature, micro_batch_size=mbs, whole_groups=whole_groups,
                                  ppo_epochs=cfg.algorithm.ppo_epochs, grad_clip=cfg.optimizer.grad_clip,
-                                 max_len=cfg.rollout.max_new_tokens)
+                                 max_len=cfg.rollout.max_new_tokens, dp_size=self.dp_size, dp_group=self.dp_group)
         rewards = exp.rewards
         metrics.update({
             "reward/mean": self._mean(rewards.tolist()),
@@ -319,7 +328,8 @@ class Trainer:
             self.metrics.log(self.step, metrics)
             progress.update(self.step, metrics)
             if self.step % cfg.metrics.log_interval == 0:
-                progress.write(format_step_line(self.step, cfg.training.steps, metrics))
+                line = format_step_line(self.step, cfg.training.steps, metrics)
+                progress.write(line) if cfg.metrics.progress_bar else log.info(line)
             if finite and self.checkpoints.should_save(self.step, last=last):
                 self.checkpoints.save(self.step, self.actor, self.optimizer, self.lr_scheduler,
                                       extra={"data": self.stream.state_dict(), "skipped_samples": self.skipped_samples})
@@ -350,8 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(argv)
     trainer = Trainer(cfg)
     trainer.train()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_distributed()
 
 
 if __name__ == "__main__":

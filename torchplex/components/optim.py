@@ -154,14 +154,21 @@ def clip_grad_norm(
     params = [p for p in params if p.grad is not None]
     if not params:
         return 0.0
-    grads = [p.grad for p in params]
-    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
+    # Under TP (+FSDP) grads live on different meshes (sharded decoder, replicated vision/embeddings) or are
+    # plain tensors; norms cannot be stacked across meshes, so reduce each mesh's group to a full scalar first.
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    squares = []
+    for group in groups.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
+        squares.append((n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2)
+    total_norm = torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt()
     norm = float(total_norm)
     if max_norm is not None and max_norm > 0 and math.isfinite(norm):
         host_params = _offloaded_host_params(optimizer)  # waits for the device-to-host grad copies
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm.to(group[0].grad.device))
         if host_params:
             torch.nn.utils.clip_grads_with_norm_(host_params, max_norm, total_norm.cpu())
     return norm

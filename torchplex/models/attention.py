@@ -99,8 +99,9 @@ class PrefixAttention(CausalAttention):
         self.v: list[torch.Tensor] = []
 
     def __call__(self, layer: int, q, k, v):
-        self.k.append(k)
-        self.v.append(v)
+        if layer == len(self.k):  # an activation-checkpoint recompute calls again: keep the first record
+            self.k.append(k)
+            self.v.append(v)
         return super().__call__(layer, q, k, v)
 
 
@@ -115,17 +116,18 @@ class SharedPrefixAttention:
     def __init__(self, prefix: PrefixState, prefix_index: torch.Tensor, suffix_lens: torch.Tensor):
         self.prefix = prefix
         self.suffix_lens = suffix_lens
-        order = torch.argsort(prefix_index.cpu(), stable=True)
+        owners = prefix_index.tolist()
+        self.prefix_lengths = prefix.lengths.tolist()  # host ints: no sync inside the layer loop
         self.groups: list[tuple[int, torch.Tensor]] = []
-        for b in torch.unique(prefix_index.cpu()).tolist():
-            members = order[prefix_index.cpu()[order] == b].to(prefix_index.device)
+        for b in sorted(set(owners)):
+            members = torch.tensor([s for s, o in enumerate(owners) if o == b], device=prefix_index.device)
             self.groups.append((b, members))
         self._masks: dict[int, torch.Tensor] = {}
 
     def _group_mask(self, b: int, members: torch.Tensor, length: int) -> torch.Tensor:
         if b not in self._masks:
             device = self.suffix_lens.device
-            n, plen = members.numel(), int(self.prefix.lengths[b])
+            n, plen = members.numel(), self.prefix_lengths[b]
             rows = n * length
             owner = torch.arange(rows, device=device) // length
             step = torch.arange(rows, device=device) % length
@@ -141,7 +143,7 @@ class SharedPrefixAttention:
         length = q.shape[2]
         pk, pv = self.prefix.k[layer], self.prefix.v[layer]
         for b, members in self.groups:
-            n, plen = members.numel(), int(self.prefix.lengths[b])
+            n, plen = members.numel(), self.prefix_lengths[b]
             gq = q[members].transpose(0, 1).reshape(1, q.shape[1], n * length, q.shape[3])
             gk = k[members].transpose(0, 1).reshape(1, k.shape[1], n * length, k.shape[3])
             gv = v[members].transpose(0, 1).reshape(1, v.shape[1], n * length, v.shape[3])

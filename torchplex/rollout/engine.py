@@ -136,6 +136,8 @@ class RolloutEngine:
         if sample_seeds is None:
             sample_seeds = [[params.seed * 1_000_003 + i * n + j for j in range(n)] for i in range(len(prompts))]
         prefill_fn = prefill_fn or self.default_prefill
+        if hasattr(self.model, "unshard"):  # FSDP2: decode calls submodules of the root unit directly
+            self.model.unshard()
         dev, slots = self.device, pool.num_slots
         stop_ids = torch.tensor(params.stop_token_ids or [-1], device=dev)
 

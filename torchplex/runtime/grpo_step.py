@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..components.optim import clip_grad_norm
+from ..models.qwen2_5_vl.parallelize import reshard
 from ..rl.advantages import compute_advantages, dynamic_sampling_keep
 from ..rl.losses import BatchTotals, LossStats, PolicyLossConfig, kl_penalty, masked_mean, policy_loss
 from ..rl.rewards import combine_rewards, is_correct
@@ -112,18 +113,18 @@ class TrainResult:
     entropy: float | None = None
 
 
-def _global_totals(mask: torch.Tensor, max_len: int) -> BatchTotals:
+def _global_totals(mask: torch.Tensor, max_len: int, dp_size: int, dp_group) -> BatchTotals:
     totals = BatchTotals.from_mask(mask, max_len=max_len)
-    if dist.is_available() and dist.is_initialized():
+    if dp_size > 1:
         t = torch.tensor([totals.total_tokens, totals.total_seqs], dtype=torch.float64, device=mask.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=dp_group)
         totals = BatchTotals(total_tokens=float(t[0]), total_seqs=int(t[1]), max_len=max_len)
     return totals
 
 
 def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler, loss_cfg: PolicyLossConfig,
                 *, temperature: float, micro_batch_size: int, whole_groups: bool, ppo_epochs: int,
-                grad_clip: float, max_len: int) -> TrainResult:
+                grad_clip: float, max_len: int, dp_size: int = 1, dp_group=None) -> TrainResult:
     """PPO-clip epochs over the kept samples with gradient accumulation; one optimizer step per epoch.
 
     Every micro-batch loss is normalised by the whole mini-batch's totals (summed over data-parallel ranks), so
@@ -133,8 +134,7 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
     if not samples:
         return TrainResult(stats=None)
     idx_all = torch.tensor(samples, device=exp.tokens.device)
-    totals = _global_totals(exp.mask[idx_all], max_len)
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    totals = _global_totals(exp.mask[idx_all], max_len, dp_size, dp_group)
     batches = micro_batches(samples, exp.group_size, micro_batch_size, whole_groups)
     if exp.old_logprobs is None:
         exp.old_logprobs = torch.zeros(exp.tokens.shape, dtype=torch.float32, device=exp.tokens.device)
@@ -156,8 +156,8 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
             loss, stats = policy_loss(logp.float(), exp.old_logprobs[idx, :width], exp.advantages[idx], req.mask,
                                       loss_cfg, ref_logprobs=ref, total_tokens=totals.total_tokens,
                                       total_seqs=totals.total_seqs, max_len=totals.max_len)
-            # Data-parallel gradient averaging divides by the world size; the loss is already global.
-            (loss * world).backward()
+            # FSDP2 averages gradients over data-parallel ranks; the loss is already normalised globally.
+            (loss * dp_size).backward()
             epoch_stats.append(stats)
         grad_norm = clip_grad_norm([p for p in actor.parameters() if p.requires_grad], grad_clip)
         result.grad_norms.append(grad_norm)
@@ -165,6 +165,7 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
             optimizer.zero_grad(set_to_none=True)
             result.skipped_nonfinite += 1
             continue
+        reshard(actor)  # FSDP2: drop gathered copies so the step and the next forward see the same weights
         optimizer.step()
     if lr_scheduler is not None:
         lr_scheduler.step()
