@@ -1,0 +1,159 @@
+"""Serial vs decomposed GRPO scoring+training, side by side in one process.
+
+    python benchmarks/step_bench.py --geometry debug --prompts 2 --prompt-tokens 1024 --group 8 --response 64  # CPU
+    python benchmarks/step_bench.py --geometry 3B --dtype bfloat16 --prompts 4 --group 8 --response 64       # H200
+
+Random weights with the named Qwen2.5-VL geometry, image-heavy prompts (one square image sized so the prompt has
+about --prompt-tokens tokens), G sampled responses of --response random tokens per prompt. Both modes run the same
+phases on the same Experience: reference log-probs (a frozen second model) and one PPO training step of the actor
+(forward + backward + AdamW), alternating serial and decomposed runs --repeats times; the median of each is reported
+with the token-forwards each mode ran. Rollout is the same in both modes and is not timed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import faulthandler
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchplex.models.qwen2_5_vl.args import get_flavor  # noqa: E402
+from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel  # noqa: E402
+from torchplex.rl.advantages import compute_advantages  # noqa: E402
+from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
+from torchplex.runtime.decomposition import DecomposedScorer  # noqa: E402
+from torchplex.runtime.grpo_step import Experience, reference_phase, train_phase  # noqa: E402
+from torchplex.runtime.scoring import SerialScorer  # noqa: E402
+
+VS, IMG, VE = 151652, 151655, 151653
+
+
+def make_prompt(args, prompt_tokens: int, seed: int):
+    """Chat-like prompt: a few text tokens, one square image of ~prompt_tokens merged patches, a question."""
+    v = args.vision
+    side = max(2, int((prompt_tokens - 24) ** 0.5)) * v.spatial_merge_size  # patches per side
+    grid = torch.tensor([[1, side, side]])
+    g = torch.Generator().manual_seed(seed)
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    pixels = torch.randn(side * side, patch_dim, generator=g)
+    text = lambda n: torch.randint(10, 1000, (n,), generator=g).tolist()
+    merged = side * side // v.spatial_merge_size ** 2
+    ids = text(12) + [args.vision_start_token_id] + [args.image_token_id] * merged + [args.vision_end_token_id] + text(12)
+    return SimpleNamespace(input_ids=torch.tensor(ids), pixel_values=pixels, image_grid_thw=grid,
+                           pixel_values_videos=None, video_grid_thw=None, second_per_grid_ts=None)
+
+
+def make_experience(prompts, group: int, response: int, vocab: int, device) -> Experience:
+    n = len(prompts) * group
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(10, vocab, (n, response), generator=g).to(device)
+    rewards = torch.rand(n, generator=g)
+    return Experience(prompts=prompts, answers=[""] * len(prompts), group_size=group, tokens=tokens,
+                      lengths=torch.full((n,), response, device=device), sampling_logprobs=torch.zeros(n, response),
+                      finish_reasons=["length"] * n, texts=[""] * n, rewards=rewards, reward_parts={},
+                      correct=[False] * n, advantages=compute_advantages(rewards, group).to(device),
+                      keep_groups=torch.ones(len(prompts), dtype=torch.bool))
+
+
+def build(args, dtype, device, seed):
+    with torch.device("meta"):
+        model = Qwen2_5_VLModel(args)
+    model = model.to(dtype).to_empty(device=device)
+    model.init_weights(generator=torch.Generator(device=device).manual_seed(seed))
+    return model
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_mode(scorer, actor, reference, optimizer, exp, mbs, whole_groups, device):
+    exp = copy.copy(exp)
+    exp.ref_logprobs = exp.old_logprobs = None
+    if hasattr(scorer, "new_step"):
+        scorer.new_step()
+    sync(device)
+    t0 = time.perf_counter()
+    reference_phase(reference, scorer, exp, 1.0, mbs, whole_groups)
+    sync(device)
+    t1 = time.perf_counter()
+    train_phase(actor, scorer, exp, optimizer, None, PolicyLossConfig(kl_coef=0.01), temperature=1.0,
+                micro_batch_size=mbs, whole_groups=whole_groups, ppo_epochs=1, grad_clip=1.0,
+                max_len=exp.tokens.shape[1])
+    sync(device)
+    t2 = time.perf_counter()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    return t1 - t0, t2 - t1, peak
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--geometry", default="debug")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--response", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--freeze-vision", action="store_true")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--watchdog-s", type=int, default=540, help="dump stacks and exit if still running")
+    a = ap.parse_args()
+    faulthandler.dump_traceback_later(a.watchdog_s, exit=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    args = get_flavor(a.geometry)
+    if a.geometry == "debug":
+        args = args.with_token_ids(image_token_id=2000, video_token_id=2001, vision_start_token_id=2002,
+                                   vision_end_token_id=2003)
+    actor = build(args, dtype, device, 0)
+    reference = build(args, dtype, device, 1).eval().requires_grad_(False)
+    if a.freeze_vision:
+        actor.visual.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-6,
+                                  foreach=device.type != "cuda", fused=device.type == "cuda")
+    prompts = [make_prompt(args, a.prompt_tokens, seed=i) for i in range(a.prompts)]
+    exp = make_experience(prompts, a.group, a.response, min(args.text.vocab_size, 150000), device)
+    modes = {"serial": (SerialScorer(), False), "decomposed": (DecomposedScorer(), True)}
+    times = {m: {"ref": [], "train": [], "peak_gib": []} for m in modes}
+    for rep in range(a.repeats + 1):  # the first round warms up allocators and kernels
+        for name, (scorer, whole) in modes.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            ref_s, train_s, peak = run_mode(scorer, actor, reference, optimizer, exp, a.micro_batch, whole, device)
+            if rep:
+                times[name]["ref"].append(ref_s)
+                times[name]["train"].append(train_s)
+                times[name]["peak_gib"].append(peak)
+    P = sum(len(p.input_ids) for p in prompts)
+    R = int(exp.lengths.sum())
+    result = {"info": {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                       "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "geometry": a.geometry,
+                       "dtype": a.dtype, "prompts": a.prompts, "prompt_tokens_each": P // a.prompts, "group": a.group,
+                       "response": a.response, "micro_batch": a.micro_batch, "freeze_vision": a.freeze_vision,
+                       "repeats": a.repeats},
+              "token_forwards_per_model": {"serial": a.group * P + R, "decomposed": P + R,
+                                           "saving_x": (a.group * P + R) / (P + R)}}
+    for name in modes:
+        t = {k: statistics.median(v) for k, v in times[name].items()}
+        t["step_s"] = t["ref"] + t["train"]
+        result[name] = t
+    result["speedup"] = {k: result["serial"][k] / result["decomposed"][k] for k in ("ref", "train", "step_s")}
+    print(json.dumps(result, indent=2))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
