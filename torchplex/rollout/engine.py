@@ -52,6 +52,39 @@ class RolloutStats:
     step_host_gap_s: list[float] = field(default_factory=list)
 
 
+class CapturedStep:
+    """A function of fixed-shape tensors captured as one CUDA graph on first call and replayed after.
+
+    Inputs are copied into static buffers, the outputs are static buffers overwritten by the next replay. The
+    KV pool the step reads and writes has fixed addresses for the engine's lifetime (a new pool, a new capture).
+    Warm-up runs on a side stream first, as capture requires; everything is captured into one private pool.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.graph = None
+
+    def _capture(self, args):
+        self.static_in = [a.clone() for a in args]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.fn(*self.static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_out = self.fn(*self.static_in)
+
+    def __call__(self, *args):
+        if self.graph is None:
+            self._capture(args)
+        for buf, a in zip(self.static_in, args):
+            buf.copy_(a)
+        self.graph.replay()
+        return self.static_out
+
+
 class RolloutEngine:
     def __init__(self, model, *, kv_pool_bytes: int, max_batch: int = 256, kv_dtype: torch.dtype | None = None,
                  compile_decode: bool | None = None, prefill_tokens: int = 16384, check_interval: int | None = None,
@@ -61,7 +94,10 @@ class RolloutEngine:
         self.max_batch = max_batch
         self.kv_dtype = kv_dtype
         self.device = next(model.parameters()).device
+        # compile_decode: on CUDA the decode step is captured once as a CUDA graph and replayed per token.
         self.compile_decode = self.device.type == "cuda" if compile_decode is None else compile_decode
+        self.use_graphs = self.compile_decode and self.device.type == "cuda"
+        self._step_params: SamplingParams | None = None
         self.prefill_tokens = prefill_tokens
         # Checking for finished samples costs a host sync; on GPU do it every few steps.
         self.check_interval = check_interval or (4 if self.device.type == "cuda" else 1)
@@ -87,10 +123,6 @@ class RolloutEngine:
         if pool.prefix_k is None:
             pool.reserve()
             self._step_fn = None  # new storage: a captured graph must not keep the old addresses
-        if self.compile_decode:
-            # The pool is mutated inside the compiled step; fixed addresses let CUDA graphs capture it in place.
-            for t in pool.prefix_k + pool.prefix_v + pool.suffix_k + pool.suffix_v:
-                torch._dynamo.mark_static_address(t)
         self.pool = pool
         return pool
 
@@ -115,12 +147,12 @@ class RolloutEngine:
         return sample(model.logits(hidden[:, 0]), params, seeds, steps)
 
     def _step(self, params: SamplingParams):
-        if self._step_fn is None:
-            fn = self._decode_step
-            if self.compile_decode:
-                fn = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
-            self._step_fn = fn
-        return self._step_fn
+        """The decode step for these sampling params: eager, or (CUDA) replayed from one captured graph."""
+        if self._step_fn is None or self._step_params != params:
+            fn = lambda *state: self._decode_step(params, *state)
+            self._step_fn = CapturedStep(fn) if self.use_graphs else fn
+            self._step_params = params
+        return lambda params, *state: self._step_fn(*state)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence, params: SamplingParams, *, sample_seeds: Sequence[Sequence[int]] | None = None,
@@ -213,7 +245,7 @@ class RolloutEngine:
             write_at = (gen_count - 1).clamp(max=max_new - 2)
             positions = start_pos + write_at
             tok, lp = step_fn(params, last_token, positions, write_at, seeds, gen_count)
-            if self.compile_decode:
+            if self.use_graphs:
                 tok, lp = tok.clone(), lp.clone()  # outputs of a CUDA graph are overwritten by the next replay
             idx = gen_count.clamp(max=max_new - 1)
             out_tokens[rows, idx] = torch.where(active, tok, out_tokens[rows, idx])
