@@ -12,9 +12,11 @@ A model thus runs P + G*R token-forwards per prompt instead of the serial G*(P+R
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..data.batching import collate
+from ..models.attention import PrefixState
 from .scoring import ScoreRequest, TokenCounts, _patches, response_scores
 
 
@@ -50,16 +52,60 @@ class VisionCache:
         return self._store[key]
 
 
+def merge_prefix_states(states: list[PrefixState]) -> PrefixState:
+    """Stack single-prompt prefix states into one right-padded batch (differentiable)."""
+    if len(states) == 1:
+        return states[0]
+    width = max(int(s.lengths.max()) for s in states)
+    pad = lambda t: F.pad(t, (0, 0, 0, width - t.shape[2]))
+    layers = range(len(states[0].k))
+    return PrefixState([torch.cat([pad(s.k[i]) for s in states]) for i in layers],
+                       [torch.cat([pad(s.v[i]) for s in states]) for i in layers],
+                       torch.cat([s.lengths for s in states]), torch.cat([s.next_position for s in states]),
+                       torch.cat([s.last_hidden for s in states]))
+
+
+class PrefixStore:
+    """Prefix states computed ahead of their consumer (in the rollout prefill or the decode window), held per
+    (model, prompt) until a scorer takes them. Taking removes them, so each is used once: the actor's prefix of θk
+    serves exactly the first training epoch."""
+
+    def __init__(self):
+        self._held: dict[tuple[int, int], PrefixState] = {}
+        self.served = 0  # takes that found their prefixes held (tests and metrics)
+
+    def put(self, model, prompt, state: PrefixState) -> None:
+        self._held[(id(model), id(prompt))] = state
+
+    def has(self, model, prompt) -> bool:
+        return (id(model), id(prompt)) in self._held
+
+    def take(self, model, prompts) -> PrefixState | None:
+        keys = [(id(model), id(p)) for p in prompts]
+        if not keys or not all(k in self._held for k in keys):
+            return None
+        self.served += 1
+        return merge_prefix_states([self._held.pop(k) for k in keys])
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
 class DecomposedScorer:
     def __init__(self, pad_id: int = 0, checkpoint_prefix: bool = False, vision_cache: VisionCache | None = None):
         self.pad_id = pad_id
         self.checkpoint_prefix = checkpoint_prefix
         self.vision = vision_cache or VisionCache()
+        self.store = PrefixStore()
         self.counts = TokenCounts()
         self.serial_equivalent_tokens = 0  # what SerialScorer would have run for the same requests
 
     def new_step(self) -> None:
         self.vision.new_step()
+        self.store.clear()
 
     def visual_embeds(self, model, prompts) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if tower_trains(model):
@@ -73,9 +119,13 @@ class DecomposedScorer:
         return cat(images), cat(videos)
 
     def prefix(self, model, prompts):
-        """PrefixState of the distinct prompts (right-padded batch), with autograd when grad is enabled."""
+        """PrefixState of the distinct prompts (right-padded batch), with autograd when grad is enabled; a state
+        held in the store for all of them is used instead of recomputing."""
         device = next(model.parameters()).device
         batch = collate(model.args, prompts, pad_id=self.pad_id).to(device)
+        held = self.store.take(model, prompts)
+        if held is not None:
+            return held, batch
         image, video = self.visual_embeds(model, prompts)
         run = lambda img, vid: model.prefix_forward(batch.input_ids, batch.position_ids, batch.next_position,
                                                      batch.lengths, image_embeds=img, video_embeds=vid)
@@ -84,7 +134,9 @@ class DecomposedScorer:
         return run(image, video), batch
 
     def score(self, model, request: ScoreRequest, temperature: float, with_entropy: bool = False):
+        computed_before = len(self.store)
         prefix, batch = self.prefix(model, request.prompts)
+        reused = len(self.store) < computed_before  # the prefix came from the store: computed elsewhere
         device = request.tokens.device
         owner = torch.tensor(request.prompt_index, device=device)
         first = prefix.last_hidden[owner][:, None]  # predicts response token 0
@@ -94,19 +146,41 @@ class DecomposedScorer:
             hidden = torch.cat([first, rest], dim=1)
         else:
             hidden = first
-        prompt_tokens = int(batch.lengths.sum())
+        prompt_tokens = 0 if reused else int(batch.lengths.sum())
         response_tokens = int(request.lengths.sum())
         self.counts.add(TokenCounts(prefix_tokens=prompt_tokens, response_tokens=response_tokens,
                                     vision_patches=sum(_patches(p) for p in request.prompts)))
         self.serial_equivalent_tokens += int(batch.lengths[owner].sum()) + response_tokens
         return response_scores(model, hidden, request.tokens, temperature, with_entropy)
 
-    def rollout_prefill(self, model):
+    def rollout_prefill(self, model, keep_for_training: bool = False):
         """A prefill for the rollout engine that takes the visual embeddings from this step's cache, so the
-        frozen tower's one encoding per prompt also serves rollout."""
+        frozen tower's one encoding per prompt also serves rollout.
+
+        keep_for_training: run each prompt's prefill with autograd kept and hold it in the store, so the actor's
+        first training epoch reuses it instead of running the same prefix forward again (fusion). Prompts are
+        prefilled one by one so that each held graph is independent of the others.
+        """
 
         @torch.no_grad()
         def prefill(prompts):
             return self.prefix(model, prompts)[0]
 
-        return prefill
+        def fused_prefill(prompts):
+            states = []
+            for p in prompts:
+                with torch.enable_grad():
+                    state = self.prefix(model, [p])[0]
+                self.store.put(model, p, state)
+                self.counts.add(TokenCounts(prefix_tokens=len(p.input_ids)))
+                states.append(state.detach())
+            return merge_prefix_states(states)
+
+        return fused_prefill if keep_for_training else prefill
+
+    def compute_and_hold(self, model, prompt) -> None:
+        """Reference-side prefix of one prompt, computed ahead of its scoring (decode-window slice)."""
+        with torch.no_grad():
+            state = self.prefix(model, [prompt])[0]
+        self.store.put(model, prompt, state)
+        self.counts.add(TokenCounts(prefix_tokens=len(prompt.input_ids)))
