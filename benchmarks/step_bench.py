@@ -96,6 +96,57 @@ def run_mode(scorer, actor, reference, optimizer, exp, mbs, whole_groups, device
     return t1 - t0, t2 - t1, peak
 
 
+class NullTokenizer:
+    """Random-weight models produce no answers worth scoring: every reward is 0 (the KL term still trains)."""
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [""] * len(ids)
+
+
+def full_steps(a, args, dtype, device, prompts):
+    """Whole steps (rollout included) through the executor in serial, decomposed and overlapped modes."""
+    from torchplex.rollout.engine import RolloutEngine
+    from torchplex.rollout.sampling import SamplingParams
+    from torchplex.runtime.executor import StepRunner, StepSettings
+    from torchplex.runtime.planner import PlanOptions
+
+    actor = build(args, dtype, device, 0)
+    reference = build(args, dtype, device, 1).eval().requires_grad_(False)
+    if a.freeze_vision:
+        actor.visual.requires_grad_(False)
+        reference.visual = actor.visual
+    optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-7,
+                                  foreach=device.type != "cuda", fused=device.type == "cuda")
+    engine = RolloutEngine(actor, kv_pool_bytes=24 * 2**30, compile_decode=device.type == "cuda")
+    params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0)
+    runners = {m: StepRunner(actor, reference, engine, optimizer, None, NullTokenizer(),
+                             StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=a.micro_batch,
+                                          loss=PolicyLossConfig(kl_coef=0.01), plan=PlanOptions(mode=m)))
+               for m in ("serial", "decomposed", "overlapped")}
+    phases = ("vision", "rollout", "ref", "train")
+    times = {m: {k: [] for k in phases + ("step_s",)} for m in runners}
+    last = {}
+    for rep in range(a.repeats + 1):
+        for m, runner in runners.items():
+            t = time.perf_counter()
+            out = runner.run(prompts, [""] * len(prompts), params)
+            sync(device)
+            if rep:
+                times[m]["step_s"].append(time.perf_counter() - t)
+                for k in phases:
+                    times[m][k].append(out.timeline.total_s(k))
+            last[m] = out
+    result = {m: {k: statistics.median(v) for k, v in times[m].items()} for m in runners}
+    result["speedup_vs_serial"] = {m: result["serial"]["step_s"] / result[m]["step_s"] for m in runners}
+    result["overlapped_vs_decomposed"] = result["decomposed"]["step_s"] / result["overlapped"]["step_s"]
+    result["schedule_overlapped"] = str(last["overlapped"].schedule)
+    if a.timeline_dir:
+        for m, out in last.items():
+            out.timeline.to_chrome_trace(Path(a.timeline_dir) / f"timeline_{m}.json")
+            out.timeline.draw(Path(a.timeline_dir) / f"timeline_{m}.png", title=f"{m} step ({a.geometry})")
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--geometry", default="debug")
@@ -107,6 +158,9 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--freeze-vision", action="store_true")
+    ap.add_argument("--full-step", action="store_true", help="whole steps through the executor, rollout included, "
+                                                               "in serial, decomposed and overlapped modes")
+    ap.add_argument("--timeline-dir", default="", help="with --full-step: write timeline PNG + Chrome trace here")
     ap.add_argument("--out", default="")
     ap.add_argument("--watchdog-s", type=int, default=540, help="dump stacks and exit if still running")
     a = ap.parse_args()
@@ -117,13 +171,22 @@ def main():
     if a.geometry == "debug":
         args = args.with_token_ids(image_token_id=2000, video_token_id=2001, vision_start_token_id=2002,
                                    vision_end_token_id=2003)
-    actor = build(args, dtype, device, 0)
-    reference = build(args, dtype, device, 1).eval().requires_grad_(False)
-    if a.freeze_vision:
-        actor.visual.requires_grad_(False)
-    optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-6,
-                                  foreach=device.type != "cuda", fused=device.type == "cuda")
     prompts = [make_prompt(args, a.prompt_tokens, seed=i) for i in range(a.prompts)]
+    if not a.full_step:
+        actor = build(args, dtype, device, 0)
+        reference = build(args, dtype, device, 1).eval().requires_grad_(False)
+        if a.freeze_vision:
+            actor.visual.requires_grad_(False)
+        optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-6,
+                                      foreach=device.type != "cuda", fused=device.type == "cuda")
+    if a.full_step:
+        result = full_steps(a, args, dtype, device, prompts)
+        result["info"] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                          "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), **vars(a)}
+        print(json.dumps(result, indent=2))
+        if a.out:
+            Path(a.out).write_text(json.dumps(result, indent=2))
+        return
     exp = make_experience(prompts, a.group, a.response, min(args.text.vocab_size, 150000), device)
     modes = {"serial": (SerialScorer(), False), "decomposed": (DecomposedScorer(), True)}
     times = {m: {"ref": [], "train": [], "peak_gib": []} for m in modes}

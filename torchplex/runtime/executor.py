@@ -91,7 +91,7 @@ class StepRunner:
         def on_step(info):
             if window:  # one prompt's reference prefix per decode step
                 prompt = window.popleft()
-                with timeline.span("ref_prefix", lane="window"), self._side():
+                with timeline.span("ref_prefix", lane="window", sync=False), self._side():
                     self.scorer.compute_and_hold(self.reference, prompt)
 
         with timeline.span("rollout"):

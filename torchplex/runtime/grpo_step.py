@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..components.optim import clip_grad_norm
 from ..models.qwen2_5_vl.parallelize import reshard
 from ..rl.advantages import compute_advantages, dynamic_sampling_keep
-from ..rl.losses import BatchTotals, LossStats, PolicyLossConfig, kl_penalty, masked_mean, policy_loss
+from ..rl.losses import BatchTotals, LossStats, PolicyLossConfig, kl_penalty, policy_loss
 from ..rl.rewards import combine_rewards, is_correct
 from ..rollout.engine import SampleOutput
 from .scoring import ScoreRequest, Scorer
@@ -113,6 +113,34 @@ class TrainResult:
     entropy: float | None = None
 
 
+def all_reduce_sums(values: Sequence[float | torch.Tensor], device, dp_group) -> list[float]:
+    """Sums over data-parallel ranks (in float64) of per-rank partial sums; the values themselves without a group."""
+    total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    if dp_group is not None:
+        dist.all_reduce(total, group=dp_group)
+    return total.tolist()
+
+
+def _global_stats(stats: LossStats, dp_group) -> LossStats:
+    """This rank's loss statistics -> the global batch's, as one process holding every sample would log them.
+
+    Each rank's losses are already normalised by the global totals, so they add up; the means are weighted by
+    each rank's valid tokens (what `LossStats.merge` does within a rank).
+    """
+    n = float(stats.num_tokens)
+    optional = [stats.kl, stats.entropy]
+    loss, pg_loss, clip, ratio, tokens, *extra = all_reduce_sums(
+        [stats.loss, stats.pg_loss, float(stats.clip_fraction) * n, float(stats.ratio_mean) * n, n]
+        + [float(v) * n for v in optional if v is not None], stats.loss.device, dp_group)
+    denom = max(tokens, 1.0)
+    extra_means = iter(torch.tensor(v / denom) for v in extra)
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    return LossStats(loss=as_tensor(loss), pg_loss=as_tensor(pg_loss), clip_fraction=as_tensor(clip / denom),
+                     ratio_mean=as_tensor(ratio / denom), num_tokens=torch.tensor(tokens),
+                     kl=next(extra_means) if stats.kl is not None else None,
+                     entropy=next(extra_means) if stats.entropy is not None else None)
+
+
 def _global_totals(mask: torch.Tensor, max_len: int, dp_size: int, dp_group) -> BatchTotals:
     totals = BatchTotals.from_mask(mask, max_len=max_len)
     if dp_size > 1:
@@ -161,7 +189,10 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
             epoch_stats.append(stats)
         grad_norm = clip_grad_norm([p for p in actor.parameters() if p.requires_grad], grad_clip)
         result.grad_norms.append(grad_norm)
-        if not math.isfinite(grad_norm) or not all(torch.isfinite(s.loss) for s in epoch_stats):
+        finite = math.isfinite(grad_norm) and all(bool(torch.isfinite(s.loss)) for s in epoch_stats)
+        if dp_size > 1:  # one rank's non-finite loss must stop every rank's step, or the FSDP shards diverge
+            finite = all_reduce_sums([not finite], exp.tokens.device, dp_group)[0] == 0
+        if not finite:
             optimizer.zero_grad(set_to_none=True)
             result.skipped_nonfinite += 1
             continue
@@ -170,13 +201,25 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
     if lr_scheduler is not None:
         lr_scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    result.stats = LossStats.merge(epoch_stats) if epoch_stats else None
-    ent = [masked_mean(e, m) for e, m in entropies if e is not None]
-    result.entropy = float(torch.stack(ent).mean()) if ent else None
+    # Collectives every rank reaches: all run the same epochs (the skip test uses the global grad norm). NOTE: a
+    # rank whose samples were all dropped returns early above and leaves the others waiting in a collective.
+    if epoch_stats:
+        stats = LossStats.merge(epoch_stats)
+        result.stats = _global_stats(stats, dp_group) if dp_size > 1 else stats
+    # Token-weighted over micro-batches and ranks, so the value does not depend on how the batch was split.
+    ent = [(float((e * m).sum()), float(m.sum())) for e, m in entropies if e is not None]
+    if ent:
+        ent_sum, ent_count = all_reduce_sums([sum(a for a, _ in ent), sum(b for _, b in ent)], exp.tokens.device,
+                                             dp_group if dp_size > 1 else None)
+        result.entropy = ent_sum / max(ent_count, 1.0)
     return result
 
 
-def kl_to_reference(exp: Experience, estimator: str) -> float | None:
+def kl_to_reference(exp: Experience, estimator: str, dp_group=None) -> float | None:
+    """Mean per-token KL estimate of the sampled responses, over every data-parallel rank's tokens."""
     if exp.ref_logprobs is None or exp.old_logprobs is None:
         return None
-    return float(masked_mean(kl_penalty(exp.old_logprobs, exp.ref_logprobs, estimator), exp.mask))
+    mask = exp.mask
+    kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, estimator)
+    kl_sum, count = all_reduce_sums([(kl * mask).sum(), mask.sum()], exp.tokens.device, dp_group)
+    return kl_sum / max(count, 1.0)

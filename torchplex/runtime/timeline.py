@@ -26,14 +26,17 @@ class Timeline:
     sync_cuda: bool = False  # synchronise around spans so GPU work is charged to the span that launched it
 
     @contextmanager
-    def span(self, name: str, lane: str = "main"):
-        if self.sync_cuda:
+    def span(self, name: str, lane: str = "main", sync: bool = True):
+        """sync=False for work launched beside another lane (decode-window slices): synchronising there would
+        serialise the two lanes; such a span then records host launch time only."""
+        sync = sync and self.sync_cuda
+        if sync:
             torch.cuda.synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
-            if self.sync_cuda:
+            if sync:
                 torch.cuda.synchronize()
             self.spans.append(Span(name, lane, start - self.origin, time.perf_counter() - self.origin))
 
