@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -156,7 +155,7 @@ class PlannedGroup:
 class PhasePlan:
     phase: str
     needed: list[str]       # groups the phase uses
-    resident: list[str]     # on device during the phase: needed + held or prefetched for the next phase
+    resident: list[str]     # on device during the phase: needed (not host) + held or prefetched for the next
     offload: list[str]      # on entry: copied out (offload kind) or freed (release kind)
     load: list[str]         # on entry, blocking: not prefetched earlier (offload kind) or reserved (release kind)
     prefetch: list[str]     # started on entry for the next phase, waited on when it enters
@@ -176,7 +175,8 @@ class MemoryPlan:
     @classmethod
     def build(cls, groups: list[TensorGroup], phases: list[str], budget_bytes: int | None = None) -> "MemoryPlan":
         """Per phase (cyclic: the last phase's next is the first), choose which of the next phase's groups to hold
-        and whether to drain: the choice that fits the budget with the fewest exposed bytes, then the lowest peak."""
+        and whether to drain: the choice that fits the budget with the fewest exposed bytes, then the lowest peak
+        (when nothing fits: the lowest peak)."""
         _validate(groups, phases)
         info = [PlannedGroup(g.name, g.kind, g.planned_bytes(), [p for p in phases if p in g.needed_in])
                 for g in groups]
@@ -199,7 +199,8 @@ class MemoryPlan:
                     for drain in (False, True):
                         peak = dev(resident) + (0 if drain else dev(outgoing))
                         over = budget_bytes is not None and peak > budget_bytes
-                        key = (over, skipped + (dev(outgoing) if drain else 0), peak, drain)
+                        exposed = skipped + (dev(outgoing) if drain else 0)
+                        key = (over, peak, exposed, drain) if over else (over, exposed, peak, drain)
                         if best is None or key < best[0]:
                             best = (key, list(pick), drain)
             chosen[p], drains[p] = best[1], best[2]
@@ -207,7 +208,7 @@ class MemoryPlan:
         rows = []
         for i, p in enumerate(phases):
             prev = phases[i - 1]
-            resident = needed[p] + chosen[p]
+            resident = [n for n in needed[p] if kind(n) != "host"] + chosen[p]
             held_before = needed[prev] + chosen[prev]
             outgoing = [n for n in held_before if kind(n) == "offload" and n not in resident]
             freed = [n for n in needed[prev] if kind(n) == "release" and n not in needed[p]]
@@ -229,12 +230,6 @@ class MemoryPlan:
                 return row
         raise KeyError(f"phase {name!r} is not in the memory plan; phases: {[r.phase for r in self.phases]}")
 
-    def group(self, name: str) -> PlannedGroup:
-        for g in self.groups:
-            if g.name == name:
-                return g
-        raise KeyError(f"group {name!r} is not in the memory plan")
-
     @property
     def peak_bytes(self) -> int:
         return max(r.peak_bytes for r in self.phases)
@@ -242,6 +237,12 @@ class MemoryPlan:
     @property
     def naive_peak_bytes(self) -> int:
         return max(r.naive_bytes for r in self.phases)
+
+    @property
+    def floor_bytes(self) -> int:
+        """The least any plan can peak at: the largest phase's own needs (no prefetch, every copy drained)."""
+        size = {g.name: g.nbytes for g in self.groups if g.kind != "host"}
+        return max(sum(size.get(n, 0) for n in r.needed) for r in self.phases)
 
     @property
     def host_bytes(self) -> int:
@@ -255,12 +256,6 @@ class MemoryPlan:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_json())
-        return path
 
     def __str__(self) -> str:
         gib = lambda b: f"{b / GiB:8.2f}"
@@ -461,6 +456,8 @@ class MemoryManager:
     def __init__(self, plan: MemoryPlan, groups: list[TensorGroup], device: torch.device | str,
                  engine: CopyEngine | None = None):
         self.plan, self.device = plan, torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # compare like tensors report it: cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.groups = {g.name: g for g in groups}
         if sorted(self.groups) != sorted(g.name for g in plan.groups):
             raise ValueError(f"groups {sorted(self.groups)} differ from the plan's {[g.name for g in plan.groups]}")
@@ -515,7 +512,7 @@ class MemoryManager:
                 self._prefetch(name)
                 record.prefetched.append(name)
         record.wait_s = time.perf_counter() - start
-        size = lambda n: self.plan.group(n).nbytes
+        size = {g.name: g.nbytes for g in self.plan.groups}.__getitem__
         record.tracked_bytes = (
             sum(size(n) for n, g in self.groups.items() if g.kind in ("offload", "release") and self.on_device[n])
             + sum(size(n) for n in row.needed if self.groups[n].kind == "transient")
