@@ -37,7 +37,8 @@ from .rl.losses import PolicyLossConfig
 from .rl.rewards import format_reward, is_correct
 from .rollout.engine import RolloutEngine
 from .rollout.sampling import SamplingParams
-from .runtime.grpo_step import build_experience, kl_to_reference, reference_phase, train_phase
+from .runtime.grpo_step import (all_reduce_sums, build_experience, kl_to_reference, reference_phase,
+                                 train_phase)
 from .runtime.scoring import ScoreRequest, SerialScorer
 
 log = logging.getLogger("torchplex")
@@ -166,7 +167,18 @@ class Trainer:
         r = self.cfg.rollout
         return SamplingParams(n=n or r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               greedy=greedy, max_new_tokens=r.max_new_tokens, stop_token_ids=[self.eos_id],
-                              seed=self.cfg.job.seed * 100_003 + self.step * 1009 + self.dp_rank)
+                              seed=self.cfg.job.seed * 100_003 + self.step * 1009)
+
+    @staticmethod
+    def sample_seeds(params: SamplingParams, global_indices: list[int]) -> list[list[int]]:
+        """Seeds of each prompt's samples, keyed on the prompt's index in the step's global batch.
+
+        Keyed on the global index (not the position in this rank's share), a prompt draws the same samples
+        whatever the number of data-parallel ranks or the samples skipped before it. With one rank and no skips
+        this is the engine's default numbering.
+        """
+        n = params.n
+        return [[params.seed * 1_000_003 + g * n + j for j in range(n)] for g in global_indices]
 
     # ---- supervised warm-up ---------------------------------------------------------------------------
     def sft_warmup(self) -> None:
@@ -226,13 +238,25 @@ class Trainer:
             dist.all_reduce(total, group=self.dp_group)
         return float(total[0] / max(total[1], 1))
 
+    def _std(self, values: list[float]) -> float:
+        """Sample standard deviation (Bessel-corrected, like torch.std) over every data-parallel rank's values."""
+        total = torch.tensor([len(values), sum(values), sum(v * v for v in values)], dtype=torch.float64,
+                             device=self.device)
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+        n, s, sq = total.tolist()
+        return math.sqrt(max(sq - s * s / n, 0.0) / (n - 1)) if n > 1 else 0.0
+
     # ---- one RL step ------------------------------------------------------------------------------------
     def train_step(self) -> tuple[dict[str, float], bool]:
         cfg, timer = self.cfg, PhaseTimer(self.device)
         t0 = time.perf_counter()
         with timer.phase("data"):
-            batch = self.encoder.encode_batch(self._local(self.stream.next_batch()))
-        self.skipped_samples += len(batch.skipped)
+            global_batch = self.stream.next_batch()
+            positions = self._local(list(range(len(global_batch))))
+            batch = self.encoder.encode_batch([global_batch[i] for i in positions])
+            global_indices = [positions[i] for i in batch.indices]
+        self.skipped_samples += int(self._sum(len(batch.skipped)))  # every rank keeps the global count
         metrics: dict[str, float] = {"skipped/bad_samples": float(self.skipped_samples)}
         if not batch.prompts:
             return metrics, False
@@ -241,7 +265,9 @@ class Trainer:
             self.scorer.new_step()
         with timer.phase("rollout"):
             prefill = self.scorer.rollout_prefill(self.actor) if decomposed else None
-            outputs = self.engine.generate(batch.prompts, self.sampling_params(), prefill_fn=prefill)
+            params = self.sampling_params()
+            seeds = self.sample_seeds(params, global_indices)
+            outputs = self.engine.generate(batch.prompts, params, sample_seeds=seeds, prefill_fn=prefill)
             self.engine.release()  # the KV pool's memory goes back to training
             reshard(self.actor)
         exp = build_experience(batch.prompts, [r.answer for r in batch.records], outputs, self.tokenizer,
@@ -261,10 +287,10 @@ class Trainer:
         rewards = exp.rewards
         metrics.update({
             "reward/mean": self._mean(rewards.tolist()),
-            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "reward/std": self._std(rewards.tolist()),
             "accuracy": self._mean([float(c) for c in exp.correct]),
             "response_length/mean": self._mean(exp.lengths.float().tolist()),
-            "groups/kept_fraction": float(exp.keep_groups.float().mean()),
+            "groups/kept_fraction": self._mean(exp.keep_groups.float().tolist()),
             "lr": self.optimizer.param_groups[0]["lr"],
             "skipped/nonfinite_steps": float(result.skipped_nonfinite),
         })
@@ -279,7 +305,7 @@ class Trainer:
             metrics["grad_norm"] = result.grad_norms[-1]
         if result.entropy is not None:
             metrics["entropy"] = result.entropy
-        kl = kl_to_reference(exp, cfg.algorithm.kl_estimator)
+        kl = kl_to_reference(exp, cfg.algorithm.kl_estimator, self.dp_group)
         if kl is not None:
             metrics["kl"] = kl
         metrics.update(timer.metrics())
@@ -289,10 +315,11 @@ class Trainer:
     def _token_metrics(self) -> dict[str, float]:
         """Decoder token-forwards of this step's scoring (reference + actor), and what serial would have run."""
         counts = self.scorer.counts
-        out = {"tokens/prefix": float(counts.prefix_tokens), "tokens/response": float(counts.response_tokens)}
-        serial = getattr(self.scorer, "serial_equivalent_tokens", counts.total)
-        out["tokens/serial_equivalent"] = float(serial)
-        out["tokens/saving_x"] = serial / max(counts.total, 1)
+        local = [counts.prefix_tokens, counts.response_tokens,
+                 getattr(self.scorer, "serial_equivalent_tokens", counts.total)]
+        prefix, response, serial = all_reduce_sums(local, self.device, self.dp_group)  # the whole job's work
+        out = {"tokens/prefix": prefix, "tokens/response": response, "tokens/serial_equivalent": serial,
+               "tokens/saving_x": serial / max(prefix + response, 1)}
         counts.prefix_tokens = counts.response_tokens = counts.vision_patches = 0
         if hasattr(self.scorer, "serial_equivalent_tokens"):
             self.scorer.serial_equivalent_tokens = 0

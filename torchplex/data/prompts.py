@@ -16,6 +16,9 @@ class EncodedBatch:
     records: list[PromptRecord]
     prompts: list[PromptInputs]
     skipped: list[BadSampleError] = field(default_factory=list)
+    # Position of each kept record in the list given to `encode_batch`: lets the caller keep per-prompt state
+    # (e.g. sampling seeds keyed on the prompt's place in the global batch) aligned when samples are skipped.
+    indices: list[int] = field(default_factory=list)
 
 
 class PromptEncoder:
@@ -39,10 +42,11 @@ class PromptEncoder:
 
     def encode_batch(self, records: list[PromptRecord]) -> EncodedBatch:
         out = EncodedBatch([], [])
-        for record in records:
+        for i, record in enumerate(records):
             try:
                 out.prompts.append(self.encode(record))
                 out.records.append(record)
+                out.indices.append(i)
             except BadSampleError as err:
                 out.skipped.append(err)
                 self.skipped_total += 1

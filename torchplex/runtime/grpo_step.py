@@ -128,17 +128,15 @@ def _global_stats(stats: LossStats, dp_group) -> LossStats:
     each rank's valid tokens (what `LossStats.merge` does within a rank).
     """
     n = float(stats.num_tokens)
-    optional = [stats.kl, stats.entropy]
-    loss, pg_loss, clip, ratio, tokens, *extra = all_reduce_sums(
-        [stats.loss, stats.pg_loss, float(stats.clip_fraction) * n, float(stats.ratio_mean) * n, n]
-        + [float(v) * n for v in optional if v is not None], stats.loss.device, dp_group)
-    denom = max(tokens, 1.0)
-    extra_means = iter(torch.tensor(v / denom) for v in extra)
-    as_tensor = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
-    return LossStats(loss=as_tensor(loss), pg_loss=as_tensor(pg_loss), clip_fraction=as_tensor(clip / denom),
-                     ratio_mean=as_tensor(ratio / denom), num_tokens=torch.tensor(tokens),
-                     kl=next(extra_means) if stats.kl is not None else None,
-                     entropy=next(extra_means) if stats.entropy is not None else None)
+    means = {"clip_fraction": stats.clip_fraction, "ratio_mean": stats.ratio_mean, "kl": stats.kl,
+             "entropy": stats.entropy}
+    present = [name for name, value in means.items() if value is not None]
+    loss, pg_loss, tokens, *weighted = all_reduce_sums(
+        [stats.loss, stats.pg_loss, n] + [float(means[name]) * n for name in present], stats.loss.device, dp_group)
+    global_means = dict.fromkeys(means)
+    global_means.update({name: torch.tensor(w / max(tokens, 1.0)) for name, w in zip(present, weighted)})
+    return LossStats(loss=torch.tensor(loss), pg_loss=torch.tensor(pg_loss), num_tokens=torch.tensor(tokens),
+                     **global_means)
 
 
 def _global_totals(mask: torch.Tensor, max_len: int, dp_size: int, dp_group) -> BatchTotals:
