@@ -107,7 +107,6 @@ def hf_decode(args, batch: int, context: int, new_tokens: int):
 
     timed(2)
     t1, tk = timed(1), timed(1 + new_tokens)
-    del hf
     torch.cuda.empty_cache()
     return (tk - t1) / new_tokens
 

@@ -37,8 +37,9 @@ from .rl.losses import PolicyLossConfig
 from .rl.rewards import format_reward, is_correct
 from .rollout.engine import RolloutEngine
 from .rollout.sampling import SamplingParams
-from .runtime.grpo_step import (all_reduce_sums, build_experience, kl_to_reference, reference_phase,
-                                 train_phase)
+from .runtime.executor import StepRunner, StepSettings
+from .runtime.grpo_step import all_reduce_sums, kl_to_reference
+from .runtime.planner import PlanOptions
 from .runtime.scoring import ScoreRequest, SerialScorer
 
 log = logging.getLogger("torchplex")
@@ -54,14 +55,6 @@ def ensure_tiny_checkpoint(path: Path, flavor: str, seed: int) -> None:
 
     log.info("no checkpoint at %s: writing a tiny random %s checkpoint", path, flavor)
     make_tiny_checkpoint(path, size=flavor, seed=seed)
-
-
-def make_scorer(mode: str, pad_id: int):
-    if mode == "serial":
-        return SerialScorer(pad_id)
-    from .runtime.decomposition import DecomposedScorer
-
-    return DecomposedScorer(pad_id)
 
 
 class Trainer:
@@ -111,7 +104,6 @@ class Trainer:
                                     compile_decode=cfg.model.compile and self.device.type == "cuda")
         if self.reference is not None and cfg.model.freeze_vision:
             self.reference.visual = self.actor.visual  # the same frozen weights: keep one copy, encode once
-        self.scorer = make_scorer(cfg.runtime.mode, self.pad_id)
         o = cfg.optimizer
         self.optimizer = build_optimizer(self.actor, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler.warmup_steps, cfg.lr_scheduler.decay,
@@ -120,9 +112,17 @@ class Trainer:
                                              cfg.checkpoint.keep_latest_k, cfg.checkpoint.enable)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.metrics.tensorboard, rank=self.rank)
         a = cfg.algorithm
-        self.loss_cfg = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, importance=a.importance,
-                                         loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
-                                         entropy_coef=a.entropy_coef)
+        loss_cfg = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, importance=a.importance,
+                                    loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                                    entropy_coef=a.entropy_coef)
+        settings = StepSettings(reward_names=cfg.reward.functions, reward_weights=cfg.reward.weights,
+                                advantage=a.advantage, dynamic_sampling=a.dynamic_sampling,
+                                temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size,
+                                ppo_epochs=a.ppo_epochs, grad_clip=o.grad_clip, loss=loss_cfg,
+                                plan=PlanOptions(mode=cfg.runtime.mode))
+        self.runner = StepRunner(self.actor, self.reference, self.engine, self.optimizer, self.lr_scheduler,
+                                 self.tokenizer, settings, pad_id=self.pad_id, dp_size=self.dp_size,
+                                 dp_group=self.dp_group)
         self.step = 0
         self.skipped_samples = 0
 
@@ -260,30 +260,10 @@ class Trainer:
         metrics: dict[str, float] = {"skipped/bad_samples": float(self.skipped_samples)}
         if not batch.prompts:
             return metrics, False
-        decomposed = cfg.runtime.mode != "serial"
-        if decomposed:
-            self.scorer.new_step()
-        with timer.phase("rollout"):
-            prefill = self.scorer.rollout_prefill(self.actor) if decomposed else None
-            params = self.sampling_params()
-            seeds = self.sample_seeds(params, global_indices)
-            outputs = self.engine.generate(batch.prompts, params, sample_seeds=seeds, prefill_fn=prefill)
-            self.engine.release()  # the KV pool's memory goes back to training
-            reshard(self.actor)
-        exp = build_experience(batch.prompts, [r.answer for r in batch.records], outputs, self.tokenizer,
-                               cfg.reward.functions, cfg.reward.weights, cfg.algorithm.advantage,
-                               cfg.algorithm.dynamic_sampling, self.device)
-        whole_groups = decomposed
-        mbs = cfg.algorithm.micro_batch_size
-        if self.reference is not None:
-            with timer.phase("ref"):
-                reference_phase(self.reference, self.scorer, exp, cfg.rollout.temperature, mbs, whole_groups)
-                reshard(self.reference)
-        with timer.phase("train"):
-            result = train_phase(self.actor, self.scorer, exp, self.optimizer, self.lr_scheduler, self.loss_cfg,
-                                 temperature=cfg.rollout.temperature, micro_batch_size=mbs, whole_groups=whole_groups,
-                                 ppo_epochs=cfg.algorithm.ppo_epochs, grad_clip=cfg.optimizer.grad_clip,
-                                 max_len=cfg.rollout.max_new_tokens, dp_size=self.dp_size, dp_group=self.dp_group)
+        params = self.sampling_params()
+        out = self.runner.run(batch.prompts, [r.answer for r in batch.records], params,
+                              sample_seeds=self.sample_seeds(params, global_indices), phase_timer=timer)
+        exp, result = out.experience, out.train
         rewards = exp.rewards
         metrics.update({
             "reward/mean": self._mean(rewards.tolist()),
@@ -314,15 +294,16 @@ class Trainer:
 
     def _token_metrics(self) -> dict[str, float]:
         """Decoder token-forwards of this step's scoring (reference + actor), and what serial would have run."""
-        counts = self.scorer.counts
+        scorer = self.runner.scorer
+        counts = scorer.counts
         local = [counts.prefix_tokens, counts.response_tokens,
-                 getattr(self.scorer, "serial_equivalent_tokens", counts.total)]
+                 getattr(scorer, "serial_equivalent_tokens", counts.total)]
         prefix, response, serial = all_reduce_sums(local, self.device, self.dp_group)  # the whole job's work
         out = {"tokens/prefix": prefix, "tokens/response": response, "tokens/serial_equivalent": serial,
                "tokens/saving_x": serial / max(prefix + response, 1)}
         counts.prefix_tokens = counts.response_tokens = counts.vision_patches = 0
-        if hasattr(self.scorer, "serial_equivalent_tokens"):
-            self.scorer.serial_equivalent_tokens = 0
+        if hasattr(scorer, "serial_equivalent_tokens"):
+            scorer.serial_equivalent_tokens = 0
         return out
 
     # ---- the loop ------------------------------------------------------------------------------------------

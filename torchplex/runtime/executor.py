@@ -12,6 +12,7 @@ The numbers do not depend on where a phase ran: tests/test_overlap.py holds over
 from __future__ import annotations
 
 from collections import deque
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -69,15 +70,24 @@ class StepRunner:
                          ppo_epochs=self.settings.ppo_epochs, kv_bytes_per_token=kv,
                          activation_bytes_per_token=kv * 8, device=self.device.type)
 
-    def run(self, prompts: list, answers: list[str], params: SamplingParams) -> StepOutput:
+    def run(self, prompts: list, answers: list[str], params: SamplingParams, *, sample_seeds=None,
+            phase_timer=None) -> StepOutput:
+        """One step. `phase_timer` (a components.metrics.PhaseTimer) also records each main phase's time and
+        peak memory; `sample_seeds` fixes each sample's random stream (see RolloutEngine.generate)."""
         st = self.settings
         schedule = plan_step(self.shape(prompts, params), st.plan)
         timeline = Timeline(sync_cuda=self.device.type == "cuda")
+
+        @contextmanager
+        def phase(name):
+            with timeline.span(name), (phase_timer.phase(name) if phase_timer else nullcontext()):
+                yield
+
         decomposed = schedule.mode != "serial"
         if decomposed:
             self.scorer.new_step()
         if schedule.has("vision"):
-            with timeline.span("vision"), torch.no_grad():
+            with phase("vision"), torch.no_grad():
                 self.scorer.visual_embeds(self.actor, prompts)  # fills the step's cache
 
         prefill = None
@@ -94,8 +104,9 @@ class StepRunner:
                 with timeline.span("ref_prefix", lane="window", sync=False), self._side():
                     self.scorer.compute_and_hold(self.reference, prompt)
 
-        with timeline.span("rollout"):
-            outputs = self.engine.generate(prompts, params, prefill_fn=prefill, on_step=on_step if window else None)
+        with phase("rollout"):
+            outputs = self.engine.generate(prompts, params, sample_seeds=sample_seeds, prefill_fn=prefill,
+                                           on_step=on_step if window else None)
             self.engine.release()
         while window:  # decode ended before every slice ran: finish them now
             on_step(None)
@@ -106,10 +117,10 @@ class StepRunner:
         exp = build_experience(prompts, answers, outputs, self.tokenizer, st.reward_names, st.reward_weights,
                                st.advantage, st.dynamic_sampling, self.device)
         if self.reference is not None:
-            with timeline.span("ref"):
+            with phase("ref"):
                 reference_phase(self.reference, self.scorer, exp, st.temperature, st.micro_batch_size, decomposed)
                 reshard(self.reference)
-        with timeline.span("train"):
+        with phase("train"):
             result = train_phase(self.actor, self.scorer, exp, self.optimizer, self.lr_scheduler, st.loss,
                                  temperature=st.temperature, micro_batch_size=st.micro_batch_size,
                                  whole_groups=decomposed, ppo_epochs=st.ppo_epochs, grad_clip=st.grad_clip,
@@ -120,14 +131,6 @@ class StepRunner:
 
     def _side(self):
         if self.side_stream is None:
-            return _null()
+            return nullcontext()
         self.side_stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(self.side_stream)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..attention import CausalAttention, PrefixAttention, PrefixState, SharedPrefixAttention, sdpa
+from ..attention import CausalAttention, PrefixAttention, PrefixState, SharedPrefixAttention
 from .args import ModelArgs, TextArgs, VisionArgs
 from .rope_index import text_positions
 

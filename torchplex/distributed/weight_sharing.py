@@ -1,0 +1,537 @@
+"""Rollout weights that reuse the actor's storage when training and rollout use different TP degrees.
+
+Training prefers one tensor-parallel degree (t_train), rollout another (t_roll). Instead of a second full copy
+of the actor, the rollout model (the same Qwen2.5-VL module, TP'd over a rollout mesh, built on the meta
+device) gets, per parameter, one of three things on each rank:
+
+  identical  its local tensor IS the actor's local tensor (same storage, offset, shape, strides)
+  view       its local tensor is a narrow of the actor's local tensor (a strided view, no copy)
+  rebuilt    its local tensor spans actor shards held by other ranks: a rollout-owned buffer, refilled by an
+             all-gather over the k = t_train / t_roll ranks that hold the pieces, after every optimizer step
+
+"The actor's local tensor" is what the actor holds during rollout: under FSDP2 the unsharded parameter (all
+dp shards gathered, still TP-sharded; FSDP2 keeps that tensor object across reshard/unshard and only
+resizes its storage, so views taken once stay valid), otherwise the TP-local parameter itself.
+
+Layout rules, for our TP plan (decoder wq/wk/wv/w1/w3 column-parallel = Shard(0) of weight and bias, wo/w2
+row-parallel = Shard(1); embeddings, LM head, norms, vision tower replicated over TP). Per parameter, with
+the actor's and the rollout's placement over their TP axes:
+  Replicate -> Replicate                         identical
+  Shard(d) over t -> Shard(d) over t             identical (each rank keeps its actor chunk)
+  Replicate -> Shard(d)                          view: narrow(d) of the full tensor
+  Shard(d) over t -> Shard(d) over k*t           view: narrow(d) of the actor shard, provided each rank's
+                                                 rollout chunk lies inside its actor chunk (see below)
+  Shard(d) over k*t -> Shard(d) over t, or -> Replicate (t = 1)
+                                                 rebuilt: concatenation of k actor shards from k ranks
+So going to a *smaller* rollout TP degree (8 -> 4, 4 -> 2) shares only what is replicated in both plans and
+rebuilds every TP'd decoder weight; going to a *larger* one shares everything. Bytes are counted per rank, on
+the rollout's local tensors: share ratio = (identical + view bytes) / rollout bytes on the rank.
+
+The second condition is met by choosing which ranks form each rollout TP group (`RolloutLayout`). Process
+groups order their ranks ascending and DTensor hands the i-th smallest rank of a group the i-th chunk, so
+the only freedom is group membership. The actor's ranks are tp-fastest (rank = dp_index * t_train + a).
+  t_roll = k * t_train: a rollout group is k consecutive actor TP groups (contiguous ranks). The rank with
+      actor coordinate a in the j-th of them sits at DTensor position j*t_train + a but holds chunk a*k + j
+      of the actor's parameter, which lies inside its actor shard a. So the rollout model is the actor with
+      its TP chunks reordered - whole heads of wq/wk/wv with the matching input slice of wo, whole slices
+      of w1/w3 with the matching slice of w2, the same order in every layer. That is an exact symmetry of
+      the network (heads and MLP neurons can be permuted consistently; GQA groups stay whole because each
+      chunk holds whole KV heads), so outputs are unchanged; `full_tensor()` of a rollout parameter returns
+      the reordered tensor, and `SharedParam.actor_range` says which slice of the actor's parameter a rank
+      holds. With k = 1 or t_train = 1 the order is the natural one.
+  t_train = k * t_roll: each actor TP group splits into k rollout replicas (replica j: actor coordinates
+      j, k + j, 2k + j, ...), so rollout coordinate c holds chunk c, made of actor shards c*k .. c*k + k - 1:
+      those k ranks form the rebuild group, ascending, which is also the concatenation order.
+
+Not covered: layouts that need a transpose or an all-to-all (actor Shard(d), rollout Shard(d') with d != d')
+are refused, and so are rollout degrees that split a KV head (rollout TP > num_kv_heads needs a
+kv-replicating plan that `parallelize.apply_tp` does not have).
+
+Lifecycle (collective calls: every rank of the job makes them, in the same order):
+  sharer = WeightSharer.for_actor(actor, parallel_dims, t_roll)   # actor left gathered, rollout ready
+  ... rollout on sharer.rollout_model ...
+  sharer.release()            # FSDP2: free the gathered actor before training (no-op without FSDP)
+  ... actor forward/backward, optimizer.step() ...
+  sharer.resync()             # FSDP2: regather the actor (shared weights follow); refill rebuilt buffers
+Without FSDP the identical/view weights follow optimizer.step() by themselves (it updates in place);
+only rebuilt ones need `resync`. The actor must update its parameters in place (torch.optim and DCP loads
+do); a parameter replaced by a new tensor is detected at the next resync.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from torchplex.distributed.mesh import ParallelDims, default_device
+from torchplex.models.qwen2_5_vl.args import ModelArgs
+from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel
+from torchplex.models.qwen2_5_vl.parallelize import DECODER_LAYER_TP_PLAN, apply_tp, check_tp_divisibility
+
+
+class ShareKind(str, Enum):
+    IDENTICAL = "identical"
+    VIEW = "view"
+    REBUILT = "rebuilt"
+
+
+# ---- layout rules -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How one rank holds a parameter over a TP axis: `dim` None means the whole tensor (replicated)."""
+
+    dim: int | None
+    degree: int = 1
+    coord: int = 0
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, name: str) -> "ShardLayout":
+        if not isinstance(tensor, DTensor):
+            return cls(None)
+        mesh, placement = tensor.device_mesh, tensor.placements[0]
+        if isinstance(placement, Replicate) and mesh.ndim == 1:
+            return cls(None)
+        if mesh.ndim != 1 or not isinstance(placement, Shard):
+            raise ValueError(f"weight sharing: {name} has placements {tensor.placements} on a "
+                             f"{mesh.ndim}-D mesh; expected Shard or Replicate over one TP axis "
+                             f"(is the actor still FSDP-sharded?)")
+        return cls(placement.dim % tensor.ndim, mesh.size(), mesh.get_local_rank())
+
+    def chunk(self, size: int) -> tuple[int, int]:
+        """(start, length) of this rank's slice of a dimension of `size` along `dim`."""
+        length = size // self.degree
+        return self.coord * length, length
+
+
+def classify(actor: ShardLayout, rollout: ShardLayout, name: str = "parameter") -> ShareKind:
+    """Which of identical / view / rebuilt a parameter is, from its actor and rollout layouts (see module doc)."""
+    if actor.dim is None:
+        return ShareKind.IDENTICAL if rollout.dim is None else ShareKind.VIEW
+    if rollout.dim is None:
+        return ShareKind.REBUILT
+    if actor.dim != rollout.dim:
+        raise NotImplementedError(f"weight sharing: {name} is sharded on dim {actor.dim} by the actor and dim "
+                                  f"{rollout.dim} by the rollout; that needs an all-to-all, not supported")
+    if rollout.degree == actor.degree:
+        return ShareKind.IDENTICAL
+    if rollout.degree % actor.degree == 0:
+        return ShareKind.VIEW
+    if actor.degree % rollout.degree == 0:
+        return ShareKind.REBUILT
+    raise ValueError(f"weight sharing: TP degrees {actor.degree} (actor) and {rollout.degree} (rollout) of {name} "
+                     f"do not divide one another")
+
+
+_DECODER_PARAM = re.compile(r"^layers\.\d+\.(?P<module>.+)\.(?P<leaf>weight|bias)$")
+
+
+def planned_layout(name: str, degree: int) -> ShardLayout:
+    """The layout DECODER_LAYER_TP_PLAN gives `name` at TP `degree` (rank 0's), without building anything."""
+    m = _DECODER_PARAM.match(name)
+    style = DECODER_LAYER_TP_PLAN.get(m["module"]) if m else None
+    if degree == 1 or style is None:
+        return ShardLayout(None)
+    if isinstance(style, ColwiseParallel):
+        return ShardLayout(0, degree)
+    if isinstance(style, RowwiseParallel):
+        return ShardLayout(1, degree) if m["leaf"] == "weight" else ShardLayout(None)
+    raise TypeError(f"weight sharing: no layout rule for TP style {type(style).__name__} of {name}")
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """One rollout parameter on one rank: its kind, the dim it is cut or assembled along, its local bytes."""
+
+    name: str
+    kind: ShareKind
+    dim: int | None
+    local_bytes: int
+    sources: int = 1  # ranks whose actor shards a rebuilt parameter is assembled from (k)
+
+
+@dataclass
+class ShareReport:
+    """Bytes of the rollout model's local parameters on one rank, by how they are obtained."""
+
+    t_train: int
+    t_roll: int
+    identical_bytes: int = 0
+    view_bytes: int = 0
+    rebuilt_bytes: int = 0           # rollout-owned buffers
+    rebuild_received_bytes: int = 0  # what one resync receives from other ranks (rebuilt minus own shards)
+    identical_params: int = 0
+    view_params: int = 0
+    rebuilt_params: int = 0
+    resync_seconds: float | None = None  # last resync: FSDP regather (if any) + rebuild
+    unshard_seconds: float | None = None  # the FSDP-regather part of it
+
+    @classmethod
+    def from_plans(cls, plans: list[ParamPlan], t_train: int, t_roll: int) -> "ShareReport":
+        report = cls(t_train, t_roll)
+        for p in plans:
+            setattr(report, f"{p.kind.value}_bytes", getattr(report, f"{p.kind.value}_bytes") + p.local_bytes)
+            setattr(report, f"{p.kind.value}_params", getattr(report, f"{p.kind.value}_params") + 1)
+            if p.kind is ShareKind.REBUILT:
+                report.rebuild_received_bytes += p.local_bytes * (p.sources - 1) // p.sources
+        return report
+
+    @property
+    def total_bytes(self) -> int:
+        return self.identical_bytes + self.view_bytes + self.rebuilt_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.rebuilt_bytes
+
+    @property
+    def share_ratio(self) -> float:
+        """Fraction of the rollout's parameter bytes on this rank that are not copied."""
+        return (self.identical_bytes + self.view_bytes) / max(self.total_bytes, 1)
+
+    def summary(self) -> str:
+        pct = lambda b: 100.0 * b / max(self.total_bytes, 1)
+        line = (f"TP {self.t_train}->{self.t_roll}: share {100 * self.share_ratio:.1f}% "
+                f"(identical {pct(self.identical_bytes):.1f}%, view {pct(self.view_bytes):.1f}%, "
+                f"rebuilt {pct(self.rebuilt_bytes):.1f}%), buffers {self.buffer_bytes / 2**20:.1f} MiB, "
+                f"received per resync {self.rebuild_received_bytes / 2**20:.1f} MiB")
+        if self.resync_seconds is not None:
+            line += f", resync {1e3 * self.resync_seconds:.2f} ms"
+        return line
+
+
+def plan_sharing(args: ModelArgs, t_train: int, t_roll: int, dtype: torch.dtype = torch.bfloat16
+                 ) -> list[ParamPlan]:
+    """Per-parameter plan on one rank, from the layout rules alone (meta device; no process group)."""
+    with torch.device("meta"):
+        model = Qwen2_5_VLModel(args)
+    for degree in (t_train, t_roll):
+        check_tp_divisibility(model, degree)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    plans = []
+    for name, p in model.named_parameters():
+        actor, rollout = planned_layout(name, t_train), planned_layout(name, t_roll)
+        kind = classify(actor, rollout, name)
+        dim = rollout.dim if rollout.dim is not None else actor.dim
+        plans.append(ParamPlan(name, kind, dim, p.numel() // rollout.degree * itemsize,
+                               actor.degree // rollout.degree if kind is ShareKind.REBUILT else 1))
+    return plans
+
+
+# ---- which ranks form the rollout's TP groups ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RolloutLayout:
+    """Rollout TP groups arranged over an actor whose ranks are tp-fastest (rank = dp * t_train + coord)."""
+
+    world_size: int
+    t_train: int
+    t_roll: int
+
+    def __post_init__(self) -> None:
+        for what, t in (("t_train", self.t_train), ("t_roll", self.t_roll)):
+            if t < 1 or self.world_size % t:
+                raise ValueError(f"rollout layout: {what} = {t} must divide world_size {self.world_size}")
+        if self.t_roll % self.t_train and self.t_train % self.t_roll:
+            raise ValueError(f"rollout layout: t_train {self.t_train} and t_roll {self.t_roll} must divide one another")
+
+    @property
+    def k(self) -> int:
+        return max(self.t_roll // self.t_train, self.t_train // self.t_roll)
+
+    def mesh_ranks(self) -> list[list[int]]:
+        """Rows: rollout replicas (each a rollout TP group, ranks ascending)."""
+        t_a, t_r, k = self.t_train, self.t_roll, self.k
+        if t_r >= t_a:
+            return [list(range(start, start + t_r)) for start in range(0, self.world_size, t_r)]
+        return [[d * t_a + c * k + j for c in range(t_r)] for d in range(self.world_size // t_a) for j in range(k)]
+
+    def chunk_of(self, rank: int) -> int:
+        """Which 1/t_roll slice of a TP'd parameter (along its shard dim) `rank` holds during rollout."""
+        a = rank % self.t_train
+        if self.t_roll >= self.t_train:
+            return a * self.k + rank // self.t_train % self.k
+        return a // self.k
+
+    def rebuild_groups(self) -> list[list[int]]:
+        """For t_roll < t_train: the k ranks whose actor shards make up one rollout shard, in concat order."""
+        if self.t_roll >= self.t_train:
+            return []
+        k = self.k
+        return [[d * self.t_train + c * k + j for j in range(k)]
+                for d in range(self.world_size // self.t_train) for c in range(self.t_roll)]
+
+    def replica_of(self, rank: int) -> int:
+        """Which rollout replica (row of `mesh_ranks`) a rank serves: replicas sample different prompts."""
+        return next(i for i, row in enumerate(self.mesh_ranks()) if rank in row)
+
+    def device_mesh(self, device_type: str | None = None) -> DeviceMesh:
+        """The (replica, tp) mesh; collective: every rank builds it."""
+        return DeviceMesh(device_type or default_device().type, torch.tensor(self.mesh_ranks()),
+                          mesh_dim_names=("replica", "tp"))
+
+
+def build_rollout_model(args: ModelArgs, rollout_mesh: DeviceMesh | None) -> Qwen2_5_VLModel:
+    """The rollout model on the meta device, TP'd over `rollout_mesh["tp"]` (None or size 1: not TP'd).
+    WeightSharer gives it storage; nothing is allocated here."""
+    with torch.device("meta"):
+        model = Qwen2_5_VLModel(args)
+    if rollout_mesh is not None and rollout_mesh["tp"].size() > 1:
+        apply_tp(model, rollout_mesh["tp"])
+    return model.requires_grad_(False)
+
+
+def shares_storage(inner: torch.Tensor, outer: torch.Tensor) -> bool:
+    """True when every element `inner` addresses lies inside the storage region `outer` addresses."""
+    inner = inner.to_local() if isinstance(inner, DTensor) else inner
+    outer = outer.to_local() if isinstance(outer, DTensor) else outer
+    if inner.untyped_storage().data_ptr() != outer.untyped_storage().data_ptr() or inner.untyped_storage().size() == 0:
+        return False
+
+    def extent(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) if t.numel() else -1
+        return t.storage_offset() * t.element_size(), (t.storage_offset() + last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = extent(inner), extent(outer)
+    return b0 <= a0 and a1 <= b1
+
+
+# ---- the live sharer ---------------------------------------------------------------------------------------
+
+@dataclass
+class SharedParam:
+    """One rollout parameter on this rank and where its values come from."""
+
+    plan: ParamPlan
+    local: torch.Tensor     # the rollout's local tensor (identical/view: aliases `source`; rebuilt: a buffer)
+    source: torch.Tensor    # the actor's local tensor this rank holds during rollout
+    actor_range: tuple[int, int, int] | None  # (dim, start, length) of the actor's parameter `local` holds;
+                                              # None: all of it
+    actor_module: nn.Module  # where the actor's parameter lives (re-read at each resync)
+    actor_leaf: str
+
+
+@dataclass
+class _Bucket:
+    entries: list[SharedParam] = field(default_factory=list)
+    numel: int = 0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if isinstance(t, DTensor) else t).detach()
+
+
+class WeightSharer:
+    """Points `rollout_model`'s parameters at `actor`'s storage where the layouts allow, rebuilds the rest.
+
+    Collective: every rank constructs it (and calls resync/release) in the same order. `rollout_model` must
+    come from `build_rollout_model` over `layout.device_mesh()` (or be untouched meta params when t_roll is 1).
+    On return the actor is gathered (FSDP2) and the rollout model is ready.
+    """
+
+    def __init__(self, actor: nn.Module, rollout_model: nn.Module, layout: RolloutLayout, *,
+                 bucket_bytes: int = 256 << 20):
+        self.actor, self.rollout_model, self.layout = actor, rollout_model, layout
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != layout.world_size:
+            raise ValueError(f"weight sharing: layout is for {layout.world_size} ranks, the job has {world}")
+        self._fsdp_modules = [m for m in actor.modules() if isinstance(m, FSDPModule)]
+        self._rebuild_group = None
+        if layout.rebuild_groups():
+            self._rebuild_group, _ = dist.new_subgroups_by_enumeration(layout.rebuild_groups())
+        self._unshard_seconds = self._gather_actor()
+        self.entries = self._share(bucket_bytes)
+        self._last_resync_seconds: float | None = None
+        self._rebuild()
+
+    @classmethod
+    def for_actor(cls, actor: Qwen2_5_VLModel, parallel_dims: ParallelDims | None, t_roll: int,
+                  **kwargs) -> "WeightSharer":
+        """Build the rollout mesh and meta model for TP `t_roll` over this job and share `actor` into it."""
+        world = parallel_dims.world_size if parallel_dims is not None else 1
+        layout = RolloutLayout(world, parallel_dims.tp if parallel_dims is not None else 1, t_roll)
+        mesh = layout.device_mesh(parallel_dims.device_type) if t_roll > 1 else None
+        return cls(actor, build_rollout_model(actor.args, mesh), layout, **kwargs)
+
+    # ---- construction ----------------------------------------------------------------------------------
+    def _actor_tp_ranks(self) -> list[int]:
+        start = self.rank // self.layout.t_train * self.layout.t_train
+        return list(range(start, start + self.layout.t_train))
+
+    def _layout_of(self, t: torch.Tensor, name: str, side: str, degree: int, ranks: list[int]) -> ShardLayout:
+        got = ShardLayout.of(t, name)
+        if got.dim is not None:
+            mesh_ranks = t.device_mesh.mesh.flatten().tolist()
+            if got.degree != degree or mesh_ranks != ranks:
+                raise ValueError(f"weight sharing: {side} parameter {name} is sharded over ranks {mesh_ranks}; "
+                                 f"expected the TP group {ranks} of degree {degree} (see RolloutLayout)")
+        return got
+
+    def _share(self, bucket_bytes: int) -> list[SharedParam]:
+        actor_params = dict(self.actor.named_parameters())
+        rollout_row = next(row for row in self.layout.mesh_ranks() if self.rank in row)
+        replaced: dict[int, nn.Parameter] = {}
+        entries = []
+        for name, meta in list(self.rollout_model.named_parameters(remove_duplicate=False)):
+            module_name, _, leaf = name.rpartition(".")
+            module = self.rollout_model.get_submodule(module_name)
+            if id(meta) in replaced:  # a tied parameter: share the one already built
+                setattr(module, leaf, replaced[id(meta)])
+                continue
+            if name not in actor_params:
+                raise KeyError(f"weight sharing: rollout parameter {name} has no actor parameter of that name")
+            actor_param = actor_params[name]
+            if tuple(actor_param.shape) != tuple(meta.shape):
+                raise ValueError(f"weight sharing: {name} is {tuple(actor_param.shape)} in the actor and "
+                                 f"{tuple(meta.shape)} in the rollout model")
+            a = self._layout_of(actor_param, name, "actor", self.layout.t_train, self._actor_tp_ranks())
+            r = self._layout_of(meta, name, "rollout", self.layout.t_roll, rollout_row)
+            if r.dim is not None:  # the chunk this rank really holds, not its position in the group
+                r = ShardLayout(r.dim, r.degree, self.layout.chunk_of(self.rank))
+            kind = classify(a, r, name)
+            source = _local(actor_param)
+            local, actor_range = self._rollout_local(name, kind, a, r, source, meta.shape)
+            dim = r.dim if r.dim is not None else a.dim
+            sources = a.degree // r.degree if kind is ShareKind.REBUILT else 1
+            plan = ParamPlan(name, kind, dim, local.numel() * local.element_size(), sources)
+            actor_module_name, _, actor_leaf = name.rpartition(".")
+            entries.append(SharedParam(plan, local, source, actor_range, self.actor.get_submodule(actor_module_name),
+                                       actor_leaf))
+            with torch.no_grad():
+                value = local if not isinstance(meta, DTensor) else DTensor.from_local(
+                    local, meta.device_mesh, meta.placements, run_check=False, shape=meta.shape, stride=meta.stride())
+            param = nn.Parameter(value, requires_grad=False)
+            setattr(module, leaf, param)
+            replaced[id(meta)] = param
+        buffers = [name for name, _ in self.rollout_model.named_buffers()]
+        if buffers:  # Qwen2_5_VLModel has none; a model that grows some needs them shared here too
+            raise NotImplementedError(f"weight sharing: rollout buffers {buffers} are not handled")
+        self._buckets = self._make_buckets([e for e in entries if e.plan.kind is ShareKind.REBUILT], bucket_bytes)
+        return entries
+
+    def _rollout_local(self, name: str, kind: ShareKind, a: ShardLayout, r: ShardLayout, source: torch.Tensor,
+                       shape: torch.Size) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
+        """The rollout's local tensor and the (dim, start, length) of the actor's parameter it holds."""
+        if kind is ShareKind.IDENTICAL:
+            if a.dim is None:
+                return source, None
+            if a.coord != r.coord:
+                raise ValueError(f"weight sharing: {name} has actor chunk {a.coord}, rollout chunk {r.coord}")
+            return source, (a.dim, *a.chunk(shape[a.dim]))
+        if kind is ShareKind.VIEW:
+            size = shape[r.dim]
+            if size % r.degree:
+                raise ValueError(f"weight sharing: dim {r.dim} of {name} ({size}) does not split into {r.degree}")
+            start, length = r.chunk(size)
+            held_start, held = a.chunk(size) if a.dim is not None else (0, size)
+            if not (held_start <= start and start + length <= held_start + held):
+                raise ValueError(f"weight sharing: rollout shard {start}:{start + length} of {name} is not inside "
+                                 f"this rank's actor shard {held_start}:{held_start + held}; build the rollout "
+                                 f"mesh with RolloutLayout.device_mesh()")
+            return source.narrow(r.dim, start - held_start, length), (r.dim, start, length)
+        # REBUILT: k actor shards, in the rebuild group's order, concatenated along the actor's shard dim.
+        k = a.degree // r.degree
+        group = next(g for g in self.layout.rebuild_groups() if self.rank in g)
+        if a.coord != r.coord * k + group.index(self.rank):
+            raise ValueError(f"weight sharing: rebuild of {name} expects actor coordinate "
+                             f"{r.coord * k + group.index(self.rank)} on rank {self.rank}, found {a.coord}")
+        local_shape = list(source.shape)
+        local_shape[a.dim] *= k
+        buffer = torch.empty(local_shape, dtype=source.dtype, device=source.device)
+        return buffer, None if r.dim is None else (r.dim, *r.chunk(shape[r.dim]))
+
+    @staticmethod
+    def _make_buckets(entries: list[SharedParam], bucket_bytes: int) -> list[_Bucket]:
+        """Group rebuilt parameters (same dtype) so each all-gather moves about `bucket_bytes`."""
+        buckets: list[_Bucket] = []
+        open_by_dtype: dict[torch.dtype, _Bucket] = {}
+        for e in entries:
+            b = open_by_dtype.get(e.source.dtype)
+            if b is None or (b.numel and (b.numel + e.source.numel()) * e.source.element_size() > bucket_bytes):
+                b = open_by_dtype[e.source.dtype] = _Bucket()
+                buckets.append(b)
+            b.entries.append(e)
+            b.numel += e.source.numel()
+        return buckets
+
+    # ---- per step --------------------------------------------------------------------------------------
+    def _gather_actor(self) -> float:
+        """FSDP2: (re)gather every unit so the actor's unsharded storage holds the current weights. A unit
+        left gathered by a no-grad call is resharded first, else unshard() would be a no-op on stale data."""
+        if not self._fsdp_modules:
+            return 0.0
+        t0 = time.perf_counter()
+        for m in self._fsdp_modules:
+            m.reshard()
+        handles = [m.unshard(async_op=True) for m in self._fsdp_modules]
+        for h in handles:
+            if h is not None:
+                h.wait()
+        return time.perf_counter() - t0
+
+    def _rebuild(self) -> None:
+        k = self.layout.k
+        with torch.no_grad():
+            for bucket in self._buckets:
+                send = torch.cat([e.source.reshape(-1) for e in bucket.entries])
+                recv = send.new_empty(k, send.numel())
+                dist.all_gather(list(recv.unbind(0)), send, group=self._rebuild_group)
+                offset = 0
+                for e in bucket.entries:
+                    n, piece = e.source.numel(), e.source.shape
+                    step = piece[e.plan.dim]
+                    for i in range(k):
+                        e.local.narrow(e.plan.dim, i * step, step).copy_(recv[i, offset:offset + n].view(piece))
+                    offset += n
+
+    def _check_still_shared(self) -> None:
+        for e in self.entries:
+            current = getattr(e.actor_module, e.actor_leaf)
+            if _local(current).untyped_storage().data_ptr() != e.source.untyped_storage().data_ptr():
+                raise RuntimeError(f"weight sharing: the actor's {e.plan.name} now lives in new storage (was it "
+                                   f"replaced rather than updated in place?); build a new WeightSharer")
+
+    def resync(self) -> float:
+        """After optimizer.step(): regather the FSDP2 actor (identical/view weights follow it) and refill the
+        rebuilt buffers. Returns the seconds it took (also in `report()`)."""
+        t0 = time.perf_counter()
+        self._unshard_seconds = self._gather_actor()
+        self._check_still_shared()
+        self._rebuild()
+        if self.entries and self.entries[0].source.device.type == "cuda":
+            torch.cuda.synchronize()
+        self._last_resync_seconds = time.perf_counter() - t0
+        return self._last_resync_seconds
+
+    def release(self) -> None:
+        """Free the gathered FSDP2 actor before training. The rollout's identical/view weights point at that
+        storage, so the rollout model must not run again before the next `resync`."""
+        for m in self._fsdp_modules:
+            m.reshard()
+
+    @property
+    def ready(self) -> bool:
+        """False while the actor storage the rollout points at is released."""
+        return all(e.local.untyped_storage().size() > 0 for e in self.entries)
+
+    def report(self) -> ShareReport:
+        report = ShareReport.from_plans([e.plan for e in self.entries], self.layout.t_train, self.layout.t_roll)
+        report.resync_seconds = self._last_resync_seconds
+        report.unshard_seconds = self._unshard_seconds if self._fsdp_modules else None
+        return report
+
+    @property
+    def replica(self) -> int:
+        """This rank's rollout replica: ranks of one replica sample the same prompts."""
+        return self.layout.replica_of(self.rank)
