@@ -38,6 +38,7 @@ from .rl.rewards import format_reward, is_correct
 from .rollout.engine import RolloutEngine
 from .rollout.sampling import SamplingParams
 from .runtime.executor import StepRunner, StepSettings
+from .runtime.memory import MemoryManager, MemoryPlan, module_group, optimizer_state_group
 from .runtime.grpo_step import all_reduce_sums, kl_to_reference
 from .runtime.planner import PlanOptions
 from .runtime.scoring import ScoreRequest, SerialScorer
@@ -120,13 +121,30 @@ class Trainer:
                                 temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size,
                                 ppo_epochs=a.ppo_epochs, grad_clip=o.grad_clip, loss=loss_cfg,
                                 plan=PlanOptions(mode=cfg.runtime.mode))
+        self.memory = self._memory_manager() if cfg.memory.managed else None
         self.runner = StepRunner(self.actor, self.reference, self.engine, self.optimizer, self.lr_scheduler,
                                  self.tokenizer, settings, pad_id=self.pad_id, dp_size=self.dp_size,
-                                 dp_group=self.dp_group)
+                                 dp_group=self.dp_group, memory=self.memory)
         self.step = 0
         self.skipped_samples = 0
 
     # ---- setup helpers --------------------------------------------------------------------------------
+    def _memory_manager(self) -> MemoryManager:
+        """Phase residency (runtime/memory.py): reference weights live on the device only for "ref", optimizer
+        state only for "train"; the KV pool is released by the engine after rollout. The actor's weights stay
+        (every phase reads them, and the decode graph captured their addresses)."""
+        actor_params = list(self.actor.parameters())
+        trainable = [p for p in actor_params if p.requires_grad]
+        adam_bytes = 2 * sum(p.numel() * p.element_size() for p in trainable)  # exp_avg + exp_avg_sq
+        groups = [optimizer_state_group("optimizer_state", self.optimizer, ["train"], nbytes=adam_bytes)]
+        if self.reference is not None:  # a shared frozen vision tower belongs to the actor
+            groups.append(module_group("ref_weights", self.reference, ["ref"], exclude=actor_params))
+        plan = MemoryPlan.build(groups, ["rollout", "ref", "train"])
+        if self.rank == 0:
+            (self.run_dir / "memory_plan.json").write_text(plan.to_json())
+            log.info("memory plan:\n%s", plan)
+        return MemoryManager(plan, groups, self.device)
+
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
@@ -289,6 +307,10 @@ class Trainer:
         if kl is not None:
             metrics["kl"] = kl
         metrics.update(timer.metrics())
+        if self.memory is not None:  # plan next to what the manager held (and measured, on CUDA)
+            for record in self.memory.records[-3:]:
+                metrics[f"memory/{record.phase}_plan_gib"] = record.planned_peak_bytes / 2**30
+                metrics[f"memory/{record.phase}_tracked_gib"] = record.tracked_bytes / 2**30
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics, result.skipped_nonfinite == 0
 
@@ -347,6 +369,8 @@ class Trainer:
             if self.rank == 0:
                 copy_non_weight_files(self.cfg.model.hf_checkpoint, self.run_dir / "hf_export")
         self.metrics.close()
+        if self.memory is not None and self.rank == 0:
+            self.memory.save(self.run_dir / "memory_measured.json")
         if self.rank == 0:
             self._plot()
         return last_eval

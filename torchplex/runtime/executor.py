@@ -51,11 +51,12 @@ class StepOutput:
 
 class StepRunner:
     def __init__(self, actor, reference, engine, optimizer, lr_scheduler, tokenizer, settings: StepSettings,
-                 *, pad_id: int = 0, dp_size: int = 1, dp_group=None):
+                 *, pad_id: int = 0, dp_size: int = 1, dp_group=None, memory=None):
         self.actor, self.reference, self.engine = actor, reference, engine
         self.optimizer, self.lr_scheduler, self.tokenizer = optimizer, lr_scheduler, tokenizer
         self.settings = settings
         self.dp_size, self.dp_group = dp_size, dp_group
+        self.memory = memory  # runtime.memory.MemoryManager: residency of tensor groups per phase
         mode = settings.plan.mode
         self.scorer = SerialScorer(pad_id) if mode == "serial" else DecomposedScorer(pad_id)
         self.device = next(actor.parameters()).device
@@ -81,6 +82,8 @@ class StepRunner:
         @contextmanager
         def phase(name):
             with timeline.span(name), (phase_timer.phase(name) if phase_timer else nullcontext()):
+                if self.memory is not None and name in {row.phase for row in self.memory.plan.phases}:
+                    self.memory.enter(name)  # waits for this phase's groups, starts the next phase's prefetches
                 yield
 
         decomposed = schedule.mode != "serial"
@@ -127,6 +130,8 @@ class StepRunner:
                                  max_len=params.max_new_tokens, dp_size=self.dp_size, dp_group=self.dp_group)
         if decomposed:
             self.scorer.store.clear()  # prefixes of groups dynamic sampling dropped: free their graphs
+        if self.memory is not None:
+            self.memory.close()
         return StepOutput(exp, result, schedule, timeline)
 
     def _side(self):
