@@ -59,8 +59,9 @@ def table(flavors: list[str], pairs: list[tuple[int, int]], dtype: torch.dtype) 
             r = ShareReport.from_plans(plans, t_train, t_roll)
             pct = lambda b: f"{100 * b / r.total_bytes:.1f}%"
             own = r.rebuilt_bytes - r.rebuild_received_bytes
-            rows.append(f"| {flavor} | {t_train} -> {t_roll} | {r.total_bytes / GiB:.2f} GiB | {pct(r.identical_bytes)} "
-                        f"| {pct(r.view_bytes)} | {pct(r.rebuilt_bytes)} | **{100 * r.share_ratio:.1f}%** "
+            rows.append(f"| {flavor} | {t_train} -> {t_roll} | {r.total_bytes / GiB:.2f} GiB "
+                        f"| {pct(r.identical_bytes)} | {pct(r.view_bytes)} | {pct(r.rebuilt_bytes)} "
+                        f"| **{100 * r.share_ratio:.1f}%** "
                         f"| {r.buffer_bytes / GiB:.2f} GiB | {r.rebuild_received_bytes / GiB:.2f} GiB | {pct(own)} |")
             rebuilt = sorted({_group(p.name) for p in plans if p.kind is ShareKind.REBUILT})
             if rebuilt:

@@ -27,9 +27,10 @@ So going to a *smaller* rollout TP degree (8 -> 4, 4 -> 2) shares only what is r
 rebuilds every TP'd decoder weight; going to a *larger* one shares everything. Bytes are counted per rank, on
 the rollout's local tensors: share ratio = (identical + view bytes) / rollout bytes on the rank.
 
-The second condition is met by choosing which ranks form each rollout TP group (`RolloutLayout`). Process
-groups order their ranks ascending and DTensor hands the i-th smallest rank of a group the i-th chunk, so
-the only freedom is group membership. The actor's ranks are tp-fastest (rank = dp_index * t_train + a).
+The second condition is met by choosing which ranks form each rollout TP group (`RolloutLayout`). Only
+membership is free: a mesh row listed out of ascending order is not honoured consistently (torch 2.13: the
+sub-mesh's DTensor coordinates follow ascending rank order whatever the row says), so rows stay ascending.
+The actor's ranks are tp-fastest (rank = dp_index * t_train + a).
   t_roll = k * t_train: a rollout group is k consecutive actor TP groups (contiguous ranks). The rank with
       actor coordinate a in the j-th of them sits at DTensor position j*t_train + a but holds chunk a*k + j
       of the actor's parameter, which lies inside its actor shard a. So the rollout model is the actor with
@@ -46,6 +47,10 @@ the only freedom is group membership. The actor's ranks are tp-fastest (rank = d
 Not covered: layouts that need a transpose or an all-to-all (actor Shard(d), rollout Shard(d') with d != d')
 are refused, and so are rollout degrees that split a KV head (rollout TP > num_kv_heads needs a
 kv-replicating plan that `parallelize.apply_tp` does not have).
+
+Memory baseline: under FSDP2 "shared" means shared with the gathered actor. The gathered TP-local actor is
+itself a copy of the dp shards; sharing pays off because the runtime holds it during rollout anyway. See
+docs/weight_sharing.md for the numbers and what a leaner schedule would release.
 
 Lifecycle (collective calls: every rank of the job makes them, in the same order):
   sharer = WeightSharer.for_actor(actor, parallel_dims, t_roll)   # actor left gathered, rollout ready
@@ -486,7 +491,10 @@ class WeightSharer:
             for bucket in self._buckets:
                 send = torch.cat([e.source.reshape(-1) for e in bucket.entries])
                 recv = send.new_empty(k, send.numel())
-                dist.all_gather(list(recv.unbind(0)), send, group=self._rebuild_group)
+                if dist.get_backend(self._rebuild_group) == "gloo":  # gloo has no all_gather_into_tensor
+                    dist.all_gather(list(recv.unbind(0)), send, group=self._rebuild_group)
+                else:
+                    dist.all_gather_into_tensor(recv, send, group=self._rebuild_group)
                 offset = 0
                 for e in bucket.entries:
                     n, piece = e.source.numel(), e.source.shape
