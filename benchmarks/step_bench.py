@@ -121,7 +121,8 @@ def full_steps(a, args, dtype, device, prompts):
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0)
     runners = {m: StepRunner(actor, reference, engine, optimizer, None, NullTokenizer(),
                              StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=a.micro_batch,
-                                          loss=PolicyLossConfig(kl_coef=0.01), plan=PlanOptions(mode=m)))
+                                          loss=PolicyLossConfig(kl_coef=0.01),
+                                          plan=PlanOptions(mode=m, ref_prefix_in_window=a.window)))
                for m in ("serial", "decomposed", "overlapped")}
     phases = ("vision", "rollout", "ref", "train")
     times = {m: {k: [] for k in phases + ("step_s",)} for m in runners}
@@ -161,6 +162,8 @@ def main():
     ap.add_argument("--full-step", action="store_true", help="whole steps through the executor, rollout included, "
                                                                "in serial, decomposed and overlapped modes")
     ap.add_argument("--timeline-dir", default="", help="with --full-step: write timeline PNG + Chrome trace here")
+    ap.add_argument("--window", action="store_true", help="overlapped mode places the reference prefix in the "
+                                                            "decode window (the planner's default is after rollout)")
     ap.add_argument("--out", default="")
     ap.add_argument("--watchdog-s", type=int, default=540, help="dump stacks and exit if still running")
     a = ap.parse_args()

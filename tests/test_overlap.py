@@ -33,8 +33,15 @@ def test_decomposed_schedule_runs_prefix_once_per_prompt():
     assert s.phase("ref_prefix").holds_bytes == 1000 * 160
 
 
-def test_overlapped_schedule_fuses_actor_prefix_and_moves_ref_prefix_into_the_window():
+def test_overlapped_schedule_by_default_fuses_but_keeps_ref_prefix_after_rollout():
     s = plan_step(SHAPE, PlanOptions(mode="overlapped"))
+    assert s.phase("actor_prefix").placement == "fused:rollout"
+    assert s.phase("ref_prefix").placement == "main" and s.phase("ref_prefix").depends_on == ("rollout",)
+    assert any("no gain" in r for r in s.reasons)
+
+
+def test_overlapped_schedule_fuses_actor_prefix_and_moves_ref_prefix_into_the_window():
+    s = plan_step(SHAPE, PlanOptions(mode="overlapped", ref_prefix_in_window=True))
     assert s.phase("actor_prefix").placement == "fused:rollout"
     assert s.phase("ref_prefix").placement == "window:rollout"
     assert "actor_prefix" in s.phase("train").depends_on
@@ -90,7 +97,8 @@ def run(setup, mode, frozen, ppo_epochs=1):
     engine = RolloutEngine(actor, kv_pool_bytes=16 * 2**20)
     optimizer = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=0.1)
     settings = StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=4, ppo_epochs=ppo_epochs,
-                            grad_clip=1e9, loss=PolicyLossConfig(kl_coef=0.1), plan=PlanOptions(mode=mode))
+                            grad_clip=1e9, loss=PolicyLossConfig(kl_coef=0.1),
+                            plan=PlanOptions(mode=mode, ref_prefix_in_window=True))
     runner = StepRunner(actor, ref, engine, optimizer, None, processor.tokenizer, settings)
     eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     out = runner.run(prompts, [""] * len(prompts), SamplingParams(n=4, max_new_tokens=6, stop_token_ids=[eos], seed=3))
