@@ -150,6 +150,7 @@ class MetricsConfig:
 @dataclass
 class RuntimeConfig:
     mode: Literal["serial", "decomposed", "overlapped"] = "serial"
+    checkpoint_prefix: bool = False  # decomposed/overlapped: recompute the prefix in backward instead of holding it
 
 
 @dataclass

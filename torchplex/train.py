@@ -120,7 +120,8 @@ class Trainer:
                                 advantage=a.advantage, dynamic_sampling=a.dynamic_sampling,
                                 temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size,
                                 ppo_epochs=a.ppo_epochs, grad_clip=o.grad_clip, loss=loss_cfg,
-                                plan=PlanOptions(mode=cfg.runtime.mode))
+                                plan=PlanOptions(mode=cfg.runtime.mode),
+                                checkpoint_prefix=cfg.runtime.checkpoint_prefix)
         self.memory = self._memory_manager() if cfg.memory.managed else None
         self.runner = StepRunner(self.actor, self.reference, self.engine, self.optimizer, self.lr_scheduler,
                                  self.tokenizer, settings, pad_id=self.pad_id, dp_size=self.dp_size,

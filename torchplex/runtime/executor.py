@@ -39,6 +39,7 @@ class StepSettings:
     grad_clip: float = 1.0
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     plan: PlanOptions = field(default_factory=PlanOptions)
+    checkpoint_prefix: bool = False  # activation checkpointing of the prompt prefix forward
 
 
 @dataclass
@@ -58,7 +59,8 @@ class StepRunner:
         self.dp_size, self.dp_group = dp_size, dp_group
         self.memory = memory  # runtime.memory.MemoryManager: residency of tensor groups per phase
         mode = settings.plan.mode
-        self.scorer = SerialScorer(pad_id) if mode == "serial" else DecomposedScorer(pad_id)
+        self.scorer = (SerialScorer(pad_id) if mode == "serial"
+                       else DecomposedScorer(pad_id, checkpoint_prefix=settings.checkpoint_prefix))
         self.device = next(actor.parameters()).device
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
