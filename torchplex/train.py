@@ -4,8 +4,9 @@
     CONFIG_FILE=train_configs/qwen2_5_vl_7b.toml NGPU=8 ./run_train.sh --optimizer.lr=1e-6
 
 Each step: rollout (native engine on the actor's own weights) -> rewards and group advantages -> reference
-log-probs -> PPO-clip training. `runtime.mode` picks how the scoring phases run: "serial" (every sample a full
-prompt+response forward) or "decomposed" (the prompt prefix once per prompt, shared by its G samples).
+log-probs -> PPO-clip training, run by the step executor (runtime/executor.py). `runtime.mode` picks the schedule:
+"serial" (every sample a full prompt+response forward), "decomposed" (the prompt prefix once per prompt, shared by
+its G samples) or "overlapped" (decomposed, with the actor prefix fused into the rollout prefill).
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class Trainer:
                                          parallelize=self._parallelize).eval().requires_grad_(False)
         self.engine = RolloutEngine(self.actor, kv_pool_bytes=int(cfg.rollout.kv_pool_gib * 2**30),
                                     max_batch=cfg.rollout.max_batch, pad_id=self.pad_id,
-                                    compile_decode=cfg.model.compile and self.device.type == "cuda")
+                                    # decode replays one CUDA graph; FSDP2's gathers cannot live inside one
+                                    compile_decode=self.device.type == "cuda" and self.dims is None)
         if self.reference is not None and cfg.model.freeze_vision:
             self.reference.visual = self.actor.visual  # the same frozen weights: keep one copy, encode once
         o = cfg.optimizer
