@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from distributed_helpers import spawn
 from torchplex.components.checkpoint import CheckpointManager, save_model_only
 from torchplex.components.optim import build_lr_scheduler, build_optimizer
 
@@ -324,19 +323,9 @@ def _fsdp_worker(rank: int, world_size: int, tmp_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _spawn(fn, world_size: int, args: tuple, timeout_s: float) -> None:
-    context = mp.start_processes(fn, args=(world_size, *args), nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{fn.__name__} did not finish within {timeout_s} s")
-
-
 @pytest.mark.slow
 def test_fsdp2_checkpoint_round_trip_on_two_gloo_ranks(tmp_path):
-    _spawn(_fsdp_worker, world_size=2, args=(str(tmp_path),), timeout_s=180)
+    spawn(_fsdp_worker, world_size=2, args=(str(tmp_path),), timeout_s=180)
     assert {p.name for p in (tmp_path / "ckpt" / "step-2").glob("train_state_rank*.pt")} == {
         "train_state_rank0.pt",
         "train_state_rank1.pt",

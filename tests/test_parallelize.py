@@ -9,19 +9,16 @@ RTOL relative to the tensor's largest magnitude.
 
 from __future__ import annotations
 
-import os
-import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from distributed_helpers import free_port, init_gloo, spawn
 from torchplex.distributed.mesh import ParallelDims, build_parallel_dims, init_distributed
 from torchplex.models.qwen2_5_vl.args import get_flavor
 from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel
@@ -224,9 +221,7 @@ RUNS = {f.__name__: f for f in (run_fsdp, run_tp, run_train)}
 
 
 def _worker(rank: int, world_size: int, port: int, run: str, dp_shard: int, tp: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    init_gloo(rank, world_size, port)
     try:
         result = RUNS[run](build_parallel_dims(dp_shard, tp, world_size))
         if rank == 0:
@@ -235,23 +230,10 @@ def _worker(rank: int, world_size: int, port: int, run: str, dp_shard: int, tp: 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_distributed(run: Callable[[ParallelDims], dict], dp_shard: int, tp: int, out_dir) -> dict:
     world_size = dp_shard * tp
     out_path = str(out_dir / f"{run.__name__}_{dp_shard}x{tp}.pt")
-    ctx = mp.start_processes(_worker, args=(world_size, _free_port(), run.__name__, dp_shard, tp, out_path),
-                             nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{run.__name__} on {world_size} processes did not finish in {TIMEOUT_S} s")
+    spawn(_worker, world_size, (free_port(), run.__name__, dp_shard, tp, out_path), TIMEOUT_S, what=run.__name__)
     return torch.load(out_path)
 
 

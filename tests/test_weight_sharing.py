@@ -14,17 +14,14 @@ The text model is the debug flavor with 8 query / 4 KV heads (the flavor's 2 KV 
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from distributed_helpers import free_port, init_gloo, spawn
 from torchplex.distributed.mesh import ParallelDims, build_parallel_dims
 from torchplex.distributed.weight_sharing import (
     RolloutLayout, ShardLayout, ShareKind, ShareReport, WeightSharer, classify, plan_sharing, shares_storage)
@@ -194,9 +191,7 @@ def run_sharing(dims: ParallelDims, t_rolls: tuple[int, ...], fsdp: bool) -> dic
 
 
 def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    init_gloo(rank, world_size, port)
     try:
         results = {}
         for run in WORLDS[world_size]:
@@ -208,12 +203,6 @@ def _worker(rank: int, world_size: int, port: int, out_path: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Spawns the processes of a world size at most once, on first use of one of its runs."""
@@ -223,14 +212,7 @@ def runs(tmp_path_factory):
         if run not in cache:
             world_size = RUNS[run].world_size
             out_path = str(tmp_path_factory.mktemp(f"world{world_size}") / "result.pt")
-            ctx = mp.start_processes(_worker, args=(world_size, _free_port(), out_path), nprocs=world_size,
-                                     join=False, start_method="spawn")
-            deadline = time.monotonic() + TIMEOUT_S
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    for p in ctx.processes:
-                        p.kill()
-                    pytest.fail(f"runs {WORLDS[world_size]} on {world_size} processes did not finish in {TIMEOUT_S} s")
+            spawn(_worker, world_size, (free_port(), out_path), TIMEOUT_S, what=f"runs {WORLDS[world_size]}")
             cache.update(torch.load(out_path, weights_only=False))
         return cache[run]
 
