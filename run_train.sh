@@ -12,6 +12,7 @@
 #   PYTHON        interpreter; default: this repo's .venv/bin/python when it exists and no venv is
 #                 active, else `python` on PATH (so an activated venv or conda env always wins)
 #   TRAIN_MODULE  module to run (default torchplex.train; tests swap in a stub)
+#   OMP_NUM_THREADS  CPU threads per process (default 1)
 # Extra arguments are config overrides (--section.key=value) and win over the file.
 set -euo pipefail
 
@@ -22,6 +23,9 @@ NNODES=${NNODES:-1}
 LOG_RANK=${LOG_RANK:-0}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}  # port 0: the c10d store picks a free one (single node)
 TRAIN_MODULE=${TRAIN_MODULE:-torchplex.train}
+# One CPU thread per process unless told otherwise: on small shared CPU machines OpenMP's second thread mostly
+# spin-waits (measured 11x slower scoring of the tiny model with 2 threads than with 1 on a 2-core machine).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 # Resolve a CONFIG_FILE given relative to the caller's folder before moving to the repo root, so both
 # `CONFIG_FILE=my.toml ./path/to/run_train.sh` and the repo-relative default work from anywhere.

@@ -5,8 +5,6 @@ import copy
 import pytest
 import torch
 
-from torchplex.data.processing import encode_prompt, load_processor
-from torchplex.models.qwen2_5_vl.build import build_model
 from torchplex.rl.advantages import compute_advantages
 from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
@@ -33,24 +31,8 @@ class RecordingSGD(torch.optim.SGD):
 
 
 @pytest.fixture(scope="module")
-def assets(tiny_ckpt):
-    processor = load_processor(tiny_ckpt)
-    rng = torch.Generator().manual_seed(0)
-
-    def image(w, h):
-        from PIL import Image
-        return Image.fromarray(torch.randint(0, 255, (h, w, 3), generator=rng, dtype=torch.uint8).numpy())
-
-    prompts = [encode_prompt(processor, "How many circles?", images=[image(56, 56)]),
-               encode_prompt(processor, "Colour of the square?", images=[image(112, 84)]),
-               encode_prompt(processor, "Left or right?", images=[image(84, 56), image(56, 112)])]
-    base = build_model(hf_dir=tiny_ckpt)
-    with torch.no_grad():  # move away from the checkpoint so actor and reference differ
-        for p in base.parameters():
-            p.add_(torch.randn_like(p) * 0.01)
-    reference = build_model(hf_dir=tiny_ckpt).eval().requires_grad_(False)
-    eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return prompts, base, reference, eos
+def assets(grpo_assets):
+    return grpo_assets.prompts, grpo_assets.actor, grpo_assets.reference, grpo_assets.eos_id
 
 
 def make_experience(prompts, model, group, eos, seed=0):

@@ -6,8 +6,6 @@ import json
 import pytest
 import torch
 
-from torchplex.data.processing import encode_prompt, load_processor
-from torchplex.models.qwen2_5_vl.build import build_model
 from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
@@ -68,23 +66,8 @@ def test_validate_rejects_a_dependency_on_a_later_phase():
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_ckpt):
-    processor = load_processor(tiny_ckpt)
-    rng = torch.Generator().manual_seed(0)
-
-    def image(w, h):
-        from PIL import Image
-        return Image.fromarray(torch.randint(0, 255, (h, w, 3), generator=rng, dtype=torch.uint8).numpy())
-
-    prompts = [encode_prompt(processor, "How many circles?", images=[image(56, 56)]),
-               encode_prompt(processor, "Colour of the square?", images=[image(112, 84)]),
-               encode_prompt(processor, "Left or right?", images=[image(84, 56)])]
-    actor = build_model(hf_dir=tiny_ckpt)
-    with torch.no_grad():
-        for p in actor.parameters():
-            p.add_(torch.randn_like(p) * 0.01)
-    reference = build_model(hf_dir=tiny_ckpt).eval().requires_grad_(False)
-    return processor, prompts, actor, reference
+def setup(grpo_assets):
+    return grpo_assets.processor, grpo_assets.prompts, grpo_assets.actor, grpo_assets.reference
 
 
 def run(setup, mode, frozen, ppo_epochs=1):
@@ -121,7 +104,7 @@ def test_overlapped_step_equals_decomposed_step(setup, frozen, ppo_epochs):
     for (name, a), b in zip(ovl_actor.named_parameters(), dec_actor.parameters()):
         assert rel(a, b) < RTOL, name
     # the window really ran the reference prefixes during decode and the fused prefixes were all consumed
-    assert [s.lane for s in ovl.timeline.spans if s.name == "ref_prefix"] == ["window"] * 3
+    assert [s.lane for s in ovl.timeline.spans if s.name == "ref_prefix"] == ["window"] * len(setup[1])
     assert len(runner.scorer.store) == 0
     # 3 reference and 3 first-epoch training micro-batches (one group each) took held prefixes instead of computing
     assert runner.scorer.store.served == 6
