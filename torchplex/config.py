@@ -78,7 +78,6 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 32
     kv_pool_gib: float = 1.0
-    block_size: int = 16  # tokens per KV-cache block
     max_batch: int = 256  # sequences decoded concurrently
 
 

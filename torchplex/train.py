@@ -62,6 +62,11 @@ def ensure_tiny_checkpoint(path: Path, flavor: str, seed: int) -> None:
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        if cfg.rollout.backend != "native":
+            raise ValueError(f"rollout.backend = {cfg.rollout.backend!r} is not available yet; use \"native\"")
+        if cfg.parallelism.rollout_tp != cfg.parallelism.tp:
+            raise ValueError("parallelism.rollout_tp different from parallelism.tp is not wired into the trainer yet "
+                             "(torchplex/distributed/weight_sharing.py has the mechanism); set them equal")
         self.rank, self.world, self.device = init_distributed()
         p = cfg.parallelism
         self.dims = build_parallel_dims(p.dp_shard, p.tp, self.world) if self.world > 1 else None
