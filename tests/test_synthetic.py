@@ -189,3 +189,48 @@ def test_interrupted_generation_is_redone(tmp_path):
 def test_too_small_images_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="image_size"):
         generate_synthetic_task(tmp_path, 4, 4, image_size=(16, 56))
+
+
+def _boxes(path: Path) -> list[tuple[int, int, int, int]]:
+    return [tuple(s["box"]) for r in read_records(path) for s in r.meta["shapes"]]
+
+
+def test_by_default_each_shape_fills_its_cell(tmp_path):
+    # 112 px -> a 4 x 4 grid of 28 px cells (one merged Qwen vision token each); a 2 px margin
+    # on every side leaves a 24 px shape whose corner is at 28 * cell + 2.
+    train_path, _ = generate_synthetic_task(tmp_path, 40, 8, seed=0, image_size=(112, 112))
+    for x0, y0, x1, y1 in _boxes(train_path):
+        assert (x0 % 28, y0 % 28) == (2, 2)
+        assert (x1 - x0 + 1, y1 - y0 + 1) == (24, 24)
+
+
+def test_jitter_varies_size_and_offset_inside_the_cell(tmp_path):
+    train_path, eval_path = generate_synthetic_task(tmp_path, 60, 20, seed=7, image_size=(112, 112), jitter=True)
+    boxes = _boxes(train_path)
+    sides = {x1 - x0 + 1 for x0, _, x1, _ in boxes}
+    assert min(sides) >= 14 and max(sides) <= 24 and len(sides) > 5  # 60%..100% of the 24 px
+    for x0, y0, x1, y1 in boxes:  # never leaves its cell's margin
+        assert x0 % 28 >= 2 and y0 % 28 >= 2 and x1 % 28 <= 25 and y1 % 28 <= 25
+    for path in (train_path, eval_path):
+        for record in read_records(path):
+            (image,) = load_images(record)
+            assert _answer_from_pixels(_question(record.prompt), image) == record.answer, record.id
+
+
+def test_changing_jitter_regenerates(tmp_path):
+    reused, fresh = tmp_path / "reused", tmp_path / "fresh"
+    generate_synthetic_task(reused, 8, 4, seed=0)
+    generate_synthetic_task(reused, 8, 4, seed=0, jitter=True)
+    generate_synthetic_task(fresh, 8, 4, seed=0, jitter=True)
+    assert json.loads((reused / "manifest.json").read_text())["jitter"] is True
+    assert _folder_bytes(reused) == _folder_bytes(fresh)
+
+
+def test_background_is_what_the_image_processor_normalises_to_zero():
+    # Qwen2.5-VL normalises pixels with the CLIP mean/std; the background should land within
+    # half a grey level of 0 so that only the shapes give the vision tower any input.
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    normalised = [(c / 255 - m) / s for c, m, s in zip(BACKGROUND, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)]
+    assert max(abs(v) for v in normalised) < 0.5 / 255 / min(OPENAI_CLIP_STD)
+    assert BACKGROUND not in PALETTE.values()

@@ -1,7 +1,7 @@
 """A small synthetic visual-reasoning task that a tiny model can learn in minutes.
 
 Each sample is a small image with a few solid, non-overlapping shapes (circle, square, triangle)
-in distinct, saturated colours on a white background, and a one-word question about it:
+in distinct, saturated colours on a grey background, and a one-word question about it:
 
 - counting:   "How many circles are in the image?"                 -> "3"
 - colour:     "What colour is the square?"                          -> "red"
@@ -11,6 +11,18 @@ in distinct, saturated colours on a white background, and a one-word question ab
 Shapes sit in the cells of a grid (one per cell, with a margin), so they never touch; drawing is
 without anti-aliasing, so every pixel is either background or exactly one palette colour. That
 makes each answer checkable from the pixels alone (the tests do this).
+
+The defaults are chosen so that the tiny random "debug" model learns the task on a CPU in minutes:
+
+- The background is the grey that Qwen's image processor normalises to ~0 (the CLIP mean). On
+  white, every background patch normalises to ~+1.9 in all channels and the random vision tower
+  turns the image into one large constant vector with the shapes a small ripple on it; the
+  decoder then needs thousands of steps to pick the colours out. On the grey only the shapes
+  produce input, and colour questions are learned within a few hundred supervised steps.
+- Each shape fills its cell (``jitter=False``): same size and place within the cell, so a shape's
+  look does not vary and, at 112 px (4 x 4 cells of 28 px = one merged vision token each), every
+  shape is exactly one vision token. ``jitter=True`` draws random sizes (60-100% of the cell) and
+  offsets, a harder variant.
 
 ``generate_synthetic_task`` writes ``images/*.png``, ``train.jsonl``, ``eval.jsonl`` and a
 ``manifest.json`` describing the parameters; called again with the same parameters it returns at
@@ -32,7 +44,7 @@ from tqdm import tqdm
 
 # Bump when the images or questions produced for given parameters change, so that existing
 # folders are regenerated.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: grey background, shapes fill their cells unless jitter=True
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 # Far apart in RGB so that a pixel's colour name is unambiguous.
@@ -44,7 +56,8 @@ PALETTE: dict[str, tuple[int, int, int]] = {
     "purple": (140, 40, 180),
     "orange": (250, 130, 10),
 }
-BACKGROUND: tuple[int, int, int] = (255, 255, 255)
+# The CLIP mean colour that Qwen's processor subtracts: background pixels normalise to ~0 (see above).
+BACKGROUND: tuple[int, int, int] = (123, 117, 104)
 TASK_KINDS: tuple[str, ...] = ("counting", "colour", "position", "comparison")
 ANSWER_INSTRUCTION = "Put the final answer in <answer></answer>."
 
@@ -87,17 +100,18 @@ def _place(
     image_size: tuple[int, int],
     cells: Sequence[tuple[int, int]],
     kinds_colours: Sequence[tuple[str, str]],
+    jitter: bool,
 ) -> tuple[Shape, ...]:
-    """Put one shape into each given (column, row) cell, with random size and offset."""
+    """Put one shape into each given (column, row) cell: filling it, or with random size and offset."""
     cols, rows = _grid(image_size)
     cell_w, cell_h = image_size[0] // cols, image_size[1] // rows
     side_max = min(cell_w, cell_h) - 4  # >= 2 px margin on each side keeps shapes apart
     side_min = max(7, int(0.6 * side_max))
     shapes = []
     for (col, row), (kind, colour) in zip(cells, kinds_colours):
-        side = int(rng.integers(side_min, side_max + 1))
-        x0 = col * cell_w + 2 + int(rng.integers(0, side_max - side + 1))
-        y0 = row * cell_h + 2 + int(rng.integers(0, side_max - side + 1))
+        side = int(rng.integers(side_min, side_max + 1)) if jitter else side_max
+        x0 = col * cell_w + 2 + (int(rng.integers(0, side_max - side + 1)) if jitter else 0)
+        y0 = row * cell_h + 2 + (int(rng.integers(0, side_max - side + 1)) if jitter else 0)
         shapes.append(Shape(kind, colour, (x0, y0, x0 + side - 1, y0 + side - 1)))
     return tuple(shapes)
 
@@ -108,19 +122,25 @@ def _all_cells(image_size: tuple[int, int]) -> list[tuple[int, int]]:
 
 
 def _place_anywhere(
-    rng: np.random.Generator, image_size: tuple[int, int], kinds: list[str], colours: list[str]
+    rng: np.random.Generator,
+    image_size: tuple[int, int],
+    kinds: list[str],
+    colours: list[str],
+    jitter: bool,
 ) -> tuple[Shape, ...]:
     """Put the shapes into distinct random cells."""
     cells = _all_cells(image_size)
     picked = [cells[i] for i in rng.choice(len(cells), size=len(kinds), replace=False)]
-    return _place(rng, image_size, picked, list(zip(kinds, colours)))
+    return _place(rng, image_size, picked, list(zip(kinds, colours)), jitter)
 
 
 def _plural(shape: str) -> str:
     return shape + "s"
 
 
-def _counting(rng: np.random.Generator, image_size: tuple[int, int]) -> SyntheticSample:
+def _counting(
+    rng: np.random.Generator, image_size: tuple[int, int], jitter: bool
+) -> SyntheticSample:
     capacity = len(_all_cells(image_size))
     target = str(rng.choice(SHAPES))
     others = [s for s in SHAPES if s != target]
@@ -129,22 +149,26 @@ def _counting(rng: np.random.Generator, image_size: tuple[int, int]) -> Syntheti
     kinds = [target] * count + [str(rng.choice(others)) for _ in range(distractors)]
     rng.shuffle(kinds)
     colours = [str(rng.choice(list(PALETTE))) for _ in kinds]
-    shapes = _place_anywhere(rng, image_size, kinds, colours)
+    shapes = _place_anywhere(rng, image_size, kinds, colours, jitter)
     return SyntheticSample(
         "counting", f"How many {_plural(target)} are in the image?", str(count), shapes
     )
 
 
-def _colour(rng: np.random.Generator, image_size: tuple[int, int]) -> SyntheticSample:
+def _colour(
+    rng: np.random.Generator, image_size: tuple[int, int], jitter: bool
+) -> SyntheticSample:
     n = int(rng.integers(2, len(SHAPES) + 1))
     kinds = [str(k) for k in rng.permutation(SHAPES)[:n]]  # each shape kind at most once
     colours = [str(c) for c in rng.permutation(list(PALETTE))[:n]]
-    shapes = _place_anywhere(rng, image_size, kinds, colours)
+    shapes = _place_anywhere(rng, image_size, kinds, colours, jitter)
     asked = int(rng.integers(n))
     return SyntheticSample("colour", f"What colour is the {kinds[asked]}?", colours[asked], shapes)
 
 
-def _position(rng: np.random.Generator, image_size: tuple[int, int]) -> SyntheticSample:
+def _position(
+    rng: np.random.Generator, image_size: tuple[int, int], jitter: bool
+) -> SyntheticSample:
     cols, rows = _grid(image_size)
     a, b, third = (str(k) for k in rng.permutation(SHAPES))
     col_a, col_b = (int(c) for c in rng.choice(cols, size=2, replace=False))
@@ -155,13 +179,15 @@ def _position(rng: np.random.Generator, image_size: tuple[int, int]) -> Syntheti
         cells.append(free[int(rng.integers(len(free)))])
         kinds.append(third)
     colours = [str(c) for c in rng.permutation(list(PALETTE))[: len(kinds)]]
-    shapes = _place(rng, image_size, cells, list(zip(kinds, colours)))
+    shapes = _place(rng, image_size, cells, list(zip(kinds, colours)), jitter)
     # Different grid columns and one shape per cell => the boxes' x ranges never overlap.
     answer = "left" if shapes[0].box[0] < shapes[1].box[0] else "right"
     return SyntheticSample("position", f"Is the {a} left or right of the {b}?", answer, shapes)
 
 
-def _comparison(rng: np.random.Generator, image_size: tuple[int, int]) -> SyntheticSample:
+def _comparison(
+    rng: np.random.Generator, image_size: tuple[int, int], jitter: bool
+) -> SyntheticSample:
     capacity = len(_all_cells(image_size))
     colour_a, colour_b, *rest = (str(c) for c in rng.permutation(list(PALETTE)))
     # Distinct counts (so there is an answer) that fit in the grid together.
@@ -177,7 +203,7 @@ def _comparison(rng: np.random.Generator, image_size: tuple[int, int]) -> Synthe
     colours += [str(rng.choice(rest)) for _ in range(distractors)]
     rng.shuffle(colours)
     kinds = [str(rng.choice(SHAPES)) for _ in colours]
-    shapes = _place_anywhere(rng, image_size, kinds, colours)
+    shapes = _place_anywhere(rng, image_size, kinds, colours, jitter)
     answer = colour_a if n_a > n_b else colour_b
     return SyntheticSample(
         "comparison", f"Are there more {colour_a} shapes or {colour_b} shapes?", answer, shapes
@@ -193,12 +219,12 @@ _MAKERS = {
 
 
 def make_sample(
-    rng: np.random.Generator, kind: str, image_size: tuple[int, int]
+    rng: np.random.Generator, kind: str, image_size: tuple[int, int], jitter: bool = False
 ) -> SyntheticSample:
-    """Draw one random scene and question of the given task kind."""
+    """Draw one random scene and question of the given task kind (``jitter``: see the module doc)."""
     if kind not in _MAKERS:
         raise KeyError(f"unknown synthetic task kind {kind!r}; known: {', '.join(TASK_KINDS)}")
-    return _MAKERS[kind](rng, image_size)
+    return _MAKERS[kind](rng, image_size, jitter)
 
 
 def render(shapes: Sequence[Shape], image_size: tuple[int, int]) -> Image.Image:
@@ -232,6 +258,7 @@ class _Params:
     seed: int
     image_size: tuple[int, int]
     kinds: tuple[str, ...]
+    jitter: bool
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -268,7 +295,7 @@ def _generate_split(
             )
         # Round-robin over kinds keeps the mix balanced even for a small eval split.
         kind = params.kinds[len(records) % len(params.kinds)]
-        sample = make_sample(rng, kind, params.image_size)
+        sample = make_sample(rng, kind, params.image_size, params.jitter)
         png = _png_bytes(render(sample.shapes, params.image_size))
         key = hashlib.sha256(sample.question.encode() + b"\0" + png).hexdigest()
         if key in exclude or key in keys:
@@ -307,10 +334,12 @@ def generate_synthetic_task(
     image_size: tuple[int, int] = (56, 56),
     kinds: Sequence[str] = TASK_KINDS,
     progress: bool | None = None,
+    jitter: bool = False,
 ) -> tuple[Path, Path]:
     """Write the synthetic task to ``out_dir`` and return ``(train.jsonl, eval.jsonl)`` paths.
 
-    Deterministic in the parameters. Train and eval come from different RNG streams of ``seed``
+    ``jitter=True`` draws shapes of random size and offset within their cells (harder than the
+    default, where each shape fills its cell). Deterministic in the parameters. Train and eval come from different RNG streams of ``seed``
     and share no (question, image) pair. If ``out_dir/manifest.json`` already records the same
     parameters (and the files exist), nothing is regenerated. ``progress=None`` shows a bar
     only for large runs.
@@ -328,7 +357,7 @@ def generate_synthetic_task(
             raise KeyError(f"unknown synthetic task kind {k!r}; known: {', '.join(TASK_KINDS)}")
     if num_train < 0 or num_eval < 0:
         raise ValueError(f"sample counts must be >= 0, got train={num_train} eval={num_eval}")
-    params = _Params(GENERATOR_VERSION, num_train, num_eval, seed, image_size, kinds)
+    params = _Params(GENERATOR_VERSION, num_train, num_eval, seed, image_size, kinds, bool(jitter))
 
     out_dir = Path(out_dir)
     train_path, eval_path = out_dir / "train.jsonl", out_dir / "eval.jsonl"
