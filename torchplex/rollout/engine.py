@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -49,7 +49,6 @@ class RolloutStats:
     prefills: int = 0
     max_prefix_tokens_stored: int = 0
     pool_bytes: int = 0
-    step_host_gap_s: list[float] = field(default_factory=list)
 
 
 class CapturedStep:
