@@ -73,7 +73,7 @@ def tiny_run_args(ckpt: Path, synthetic: Path, output_dir: Path, name: str = "ru
         "data.synthetic_dir": synthetic, "data.synthetic_train": 32, "data.synthetic_eval": 8,
         "data.prompts_per_step": 2, "data.eval_prompts": 4,
         "rollout.n_samples": 4, "rollout.max_new_tokens": 8,
-        "optimizer.lr": LR, "training.steps": 2,
+        "optimizer.lr": LR, "training.steps": 2, "training.sft_warmup_steps": 0,
         "metrics.progress_bar": "false", "metrics.tensorboard": "false", "metrics.eval_interval": 0,
     }
     return [f"--{key}={value}" for key, value in args.items()]
@@ -288,7 +288,7 @@ def test_run_train_sh_trains_and_fills_the_run_folder(tmp_path, tiny_ckpt, synth
 @pytest.mark.slow
 def test_run_train_sh_names_a_mistyped_key_and_its_file(tmp_path):
     config = tmp_path / "typo.toml"
-    config.write_text(DEBUG_TOML.read_text().replace("\nlr = 1e-5", "\nlearning_rate = 1e-5"))
+    config.write_text(DEBUG_TOML.read_text().replace("\nlr = ", "\nlearning_rate = "))
     done = run_train_sh([], config, cwd=tmp_path)
     assert done.returncode != 0
     assert "optimizer.learning_rate" in done.stderr + done.stdout
