@@ -58,6 +58,9 @@ class StepRunner:
         self.settings = settings
         self.dp_size, self.dp_group = dp_size, dp_group
         self.memory = memory  # runtime.memory.MemoryManager: residency of tensor groups per phase
+        if memory is not None and settings.plan.ref_prefix_in_window:
+            raise ValueError("ref_prefix_in_window reads the reference weights during rollout, but the memory plan "
+                             "keeps them on the device only in the ref phase; use one or the other")
         mode = settings.plan.mode
         self.scorer = (SerialScorer(pad_id) if mode == "serial"
                        else DecomposedScorer(pad_id, checkpoint_prefix=settings.checkpoint_prefix))
