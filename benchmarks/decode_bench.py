@@ -1,6 +1,6 @@
 """Decode-step speed of the native rollout engine against its bandwidth floor and transformers' generate.
 
-    python benchmarks/decode_bench.py --geometry 7B --batch 64 256 --context 2048 --steps 64 --hf
+    python benchmarks/decode_bench.py --geometry 7B --batch 64 256 --context 2048 --steps 64 --hf --baseline
 
 Random bf16 weights with the Qwen2.5-VL language geometry (the vision tower plays no part in decode and is cut
 to one block). Each sequence has its own 2048-token context (n=1 groups), already in the KV pool, so the timed
@@ -53,10 +53,15 @@ def bench_args(geometry: str):
     return args
 
 
-def native_decode(model, batch: int, context: int, steps: int, warmup: int, compile_decode: bool):
+def native_decode(model, batch: int, context: int, steps: int, warmup: int, compile_decode: bool,
+                  kernel: str | None = None, graphs: bool = True, profile_dir: str = "",
+                  flex_options: dict | None = None):
+    """Seconds per decode step (and the first step's seconds: compilation + capture)."""
     args = model.args
-    engine = RolloutEngine(model, kv_pool_bytes=200 * 2**30, max_batch=batch, compile_decode=compile_decode)
-    max_new = steps + warmup + 2
+    engine = RolloutEngine(model, kv_pool_bytes=200 * 2**30, max_batch=batch, compile_decode=compile_decode,
+                           decode_kernel=kernel, flex_options=flex_options)
+    engine.use_graphs = engine.use_graphs and graphs
+    max_new = steps + warmup + 2 + 4  # 4: the profiled steps
     pool = engine._pool_for(1, context, max_new, batch)
     pool.prompt_len[:] = context
     for t in pool.prefix_k + pool.prefix_v:
@@ -74,7 +79,11 @@ def native_decode(model, batch: int, context: int, steps: int, warmup: int, comp
         tok, lp = step_fn(params, tokens, start + i, count - 1, seeds, count)
         tokens = tok.clone()
 
-    for i in range(warmup):
+    t = time.perf_counter()
+    run(0)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t
+    for i in range(1, warmup):
         run(i)
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -82,9 +91,43 @@ def native_decode(model, batch: int, context: int, steps: int, warmup: int, comp
         run(i)
     torch.cuda.synchronize()
     per_step = (time.perf_counter() - t) / steps
+    if profile_dir:
+        kernel_table(lambda: [run(warmup + steps + i) for i in range(4)], Path(profile_dir), f"b{batch}_{engine.decode_kernel}")
     kv_bytes = sum(x.numel() * x.element_size() for x in pool.prefix_k + pool.prefix_v)
     engine.release()
-    return per_step, kv_bytes
+    return per_step, kv_bytes, first_s
+
+
+def kernel_table(work, out_dir: Path, name: str, top: int = 25) -> None:
+    """GPU time per kernel over `work` (torch.profiler), the largest first, written to out_dir/kernels_<name>.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        work()
+        torch.cuda.synchronize()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70)
+    (out_dir / f"kernels_{name}.txt").write_text(table)
+    print(table[:4000], flush=True)
+
+
+def attention_check(model, device) -> float:
+    """Largest |flex - matmul| / max|matmul| of one decode attention call on the GPU, compiled flex against the eager
+    matmul kernel, for groups of n=4 with prompt lengths that straddle flex's K/V blocks."""
+    from torchplex.rollout.kv_pool import GroupedDecodeAttention, GroupKVPool
+
+    t = model.args.text
+    pool = GroupKVPool(num_layers=1, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, n=4, max_prompt=640,
+                       max_new=200, budget_bytes=2**30, max_groups=3, dtype=torch.bfloat16, device=device)
+    pool.prompt_len.copy_(torch.tensor([1, 300, 640]))
+    for x in pool.prefix_k + pool.prefix_v + pool.suffix_k + pool.suffix_v:
+        x.normal_()
+    suffix_len = torch.tensor([0, 5, 127, 128, 129, 199, 3, 64, 100, 150, 1, 2], device=device)
+    q, k, v = (torch.randn(12, h, 1, t.head_dim, device=device, dtype=torch.bfloat16)
+               for h in (t.num_heads, t.num_kv_heads, t.num_kv_heads))
+    ref = GroupedDecodeAttention(pool, suffix_len, "matmul")(0, q, k, v).float()
+    flex = torch.compile(lambda q, k, v: GroupedDecodeAttention(pool, suffix_len, "flex")(0, q, k, v))(q, k, v).float()
+    return ((flex - ref).abs().max() / ref.abs().max()).item()
 
 
 def hf_decode(args, batch: int, context: int, new_tokens: int):
@@ -121,7 +164,12 @@ def main():
     ap.add_argument("--hf", action="store_true", help="also time transformers' generate")
     ap.add_argument("--hf-new-tokens", type=int, default=16)
     ap.add_argument("--hf-batch", type=int, nargs="+", default=[64], help="batches to time transformers at")
-    ap.add_argument("--eager", action="store_true", help="no CUDA graph: launch every kernel each step")
+    ap.add_argument("--eager", action="store_true", help="no compile, no CUDA graph: launch every kernel each step")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also time the uncompiled matmul-attention step in a CUDA graph (the engine before flex)")
+    ap.add_argument("--profile-dir", default="", help="write per-kernel GPU time tables of a few steps here")
+    ap.add_argument("--flex-options-file", default="", help="JSON of benchmarks/probes/flex_decode_tune.py: use its "
+                    "fastest kernel options for the prompt call (key '<groups>x7x<context>')")
     ap.add_argument("--long-steps", type=int, default=0, help="replays in the long-run hang check")
     ap.add_argument("--out", default="")
     ap.add_argument("--watchdog-s", type=int, default=540, help="dump stacks and exit if still running")
@@ -134,7 +182,7 @@ def main():
         model = Qwen2_5_VLModel(args)
     model = model.to(torch.bfloat16).to_empty(device=dev)
     model.init_weights()
-    model.eval()
+    model.eval().requires_grad_(False)  # the timed loop calls the step directly, outside generate's no_grad
     bw = copy_bandwidth(dev)
     lm = model.layers, model.tok_embeddings, model.norm
     weight_bytes = sum(p.numel() * p.element_size() for m in lm for p in m.parameters())
@@ -152,19 +200,39 @@ def main():
             print(f"transformers at batch {batch}: {str(err)[:120]}")
             torch.cuda.empty_cache()
         print(json.dumps({"hf_batch": batch, "hf_step_ms": hf_ms[batch]}), flush=True)
+    if not a.eager:
+        try:
+            info["flex_vs_matmul_max_rel_err"] = attention_check(model, dev)
+        except Exception as err:
+            info["flex_vs_matmul_max_rel_err"] = repr(err)[:2000]
+        print(json.dumps({"flex_vs_matmul_max_rel_err": info["flex_vs_matmul_max_rel_err"]}), flush=True)
+    tuned = json.loads(Path(a.flex_options_file).read_text()) if a.flex_options_file else {}
+    variants = [("compiled", not a.eager, None, True)]
+    if a.baseline:
+        variants += [("compiled_matmul", True, "matmul", True), ("graph_only_matmul", False, "matmul", True)]
     for batch in a.batch:
-        per_step, kv_bytes = native_decode(model, batch, a.context, a.steps, a.warmup, not a.eager)
-        # One step reads every weight once (the tied/untied LM head included) and every cached K/V once.
-        floor = (weight_bytes + kv_bytes) / bw
-        row = {"batch": batch, "step_ms": per_step * 1e3, "tokens_per_s": batch / per_step,
-               "floor_ms": floor * 1e3, "fraction_of_floor": floor / per_step}
-        if hf_ms.get(batch):
-            row.update(hf_step_ms=hf_ms[batch], speedup_vs_hf=hf_ms[batch] / (per_step * 1e3))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for label, compile_decode, kernel, graphs in variants:
+            if label != "compiled" and batch != a.batch[0]:
+                continue
+            options = tuned.get(f"{batch}x7x{a.context}", {}).get("options") if label == "compiled" else None
+            try:
+                per_step, kv_bytes, first_s = native_decode(model, batch, a.context, a.steps, a.warmup,
+                                                            compile_decode, kernel, graphs, a.profile_dir, options)
+            except Exception as err:  # keep the other variants' numbers
+                print(json.dumps({"batch": batch, "variant": label, "error": repr(err)[:2000]}), flush=True)
+                continue
+            # One step reads every weight once (the tied/untied LM head included) and every cached K/V once.
+            floor = (weight_bytes + kv_bytes) / bw
+            row = {"batch": batch, "variant": label, "flex_options": options,
+                   "step_ms": per_step * 1e3, "tokens_per_s": batch / per_step,
+                   "floor_ms": floor * 1e3, "fraction_of_floor": floor / per_step, "first_step_s": first_s}
+            if hf_ms.get(batch):
+                row.update(hf_step_ms=hf_ms[batch], speedup_vs_hf=hf_ms[batch] / (per_step * 1e3))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     if a.long_steps:
         t = time.perf_counter()
-        per_step, _ = native_decode(model, a.batch[0], a.context, a.long_steps, 2, not a.eager)
+        per_step, _, _ = native_decode(model, a.batch[0], a.context, a.long_steps, 2, not a.eager)
         info["long_run"] = {"batch": a.batch[0], "replays": a.long_steps, "step_ms": per_step * 1e3,
                             "completed": True, "wall_s": time.perf_counter() - t}
         print(json.dumps(info["long_run"]), flush=True)

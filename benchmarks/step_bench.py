@@ -96,6 +96,16 @@ def run_mode(scorer, actor, reference, optimizer, exp, mbs, whole_groups, device
     return t1 - t0, t2 - t1, peak
 
 
+def long_tail_stops(vocab: int, mean_response: int) -> list[int]:
+    """Stop tokens that make random-weight responses end after a roughly geometric number of tokens with the given
+    mean (most short, a tail running to max_new_tokens), like RL rollouts where a few samples set the step's
+    length. 0: no stop tokens, every response runs to max_new_tokens."""
+    if mean_response <= 0:
+        return []
+    count = max(1, round(vocab / mean_response))
+    return list(range(vocab - count, vocab))
+
+
 class NullTokenizer:
     """Random-weight models produce no answers worth scoring: every reward is 0 (the KL term still trains)."""
 
@@ -117,8 +127,9 @@ def full_steps(a, args, dtype, device, prompts):
         reference.visual = actor.visual
     optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-7,
                                   foreach=device.type != "cuda", fused=device.type == "cuda")
-    engine = RolloutEngine(actor, kv_pool_bytes=24 * 2**30, compile_decode=device.type == "cuda")
-    params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0)
+    engine = RolloutEngine(actor, kv_pool_bytes=int(a.kv_pool_gib * 2**30), compile_decode=device.type == "cuda")
+    params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0,
+                            stop_token_ids=long_tail_stops(args.text.vocab_size, a.mean_response))
     runners = {m: StepRunner(actor, reference, engine, optimizer, None, NullTokenizer(),
                              StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=a.micro_batch,
                                           loss=PolicyLossConfig(kl_coef=0.01),
@@ -138,6 +149,13 @@ def full_steps(a, args, dtype, device, prompts):
                     times[m][k].append(out.timeline.total_s(k))
             last[m] = out
     result = {m: {k: statistics.median(v) for k, v in times[m].items()} for m in runners}
+    lengths = sorted(last["serial"].experience.lengths.tolist())
+    result["response_lengths"] = {"mean": statistics.mean(lengths), "p50": lengths[len(lengths) // 2],
+                                  "p90": lengths[int(0.9 * (len(lengths) - 1))], "max": lengths[-1],
+                                  "at_cap": sum(x >= a.response for x in lengths), "count": len(lengths)}
+    for m in runners:  # the same seeds in every mode: on-policy rollouts must agree
+        result[m]["same_tokens_as_serial"] = bool(torch.equal(last[m].experience.tokens.cpu(),
+                                                              last["serial"].experience.tokens.cpu()))
     result["speedup_vs_serial"] = {m: result["serial"]["step_s"] / result[m]["step_s"] for m in runners}
     result["overlapped_vs_decomposed"] = result["decomposed"]["step_s"] / result["overlapped"]["step_s"]
     result["schedule_overlapped"] = str(last["overlapped"].schedule)
@@ -157,6 +175,9 @@ def main():
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--response", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--mean-response", type=int, default=0, help="with --full-step: stop tokens that end responses "
+                    "after ~this many tokens on average (geometric, capped at --response); 0: all run to --response")
+    ap.add_argument("--kv-pool-gib", type=float, default=24.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--freeze-vision", action="store_true")
     ap.add_argument("--full-step", action="store_true", help="whole steps through the executor, rollout included, "

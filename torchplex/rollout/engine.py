@@ -3,7 +3,8 @@
 Each prompt is prefilled once (vision + prompt, through the model's `prefix_forward`) into a group slot of the
 KV pool, and its n samples decode from that one copy of the prompt's K/V. Prompt groups enter as group slots
 free up (continuous batching at group granularity); a decode step runs over every slot of the pool with static
-shapes, so on CUDA it can be compiled once (torch.compile, reduce-overhead: CUDA graphs) and replayed.
+shapes, so on CUDA it is compiled once (torch.compile: fused elementwise work, sampling and flex-attention decoding
+kernels) and captured as one CUDA graph that every later step replays. On CPU it runs eager.
 
 The runtime can watch or use the decode window through `on_step` (called after every decode step) and can
 replace the prefill with its own (`prefill_fn`, e.g. one that keeps autograd for the actor's prefix).
@@ -20,7 +21,7 @@ import torch
 
 from ..data.batching import collate, encode_visuals
 from ..models.attention import PrefixState
-from .kv_pool import GroupedDecodeAttention, GroupKVPool, PoolTooSmallError
+from .kv_pool import DECODE_KERNELS, GroupedDecodeAttention, GroupKVPool, PoolTooSmallError
 from .sampling import SamplingParams, sample
 
 
@@ -87,15 +88,23 @@ class CapturedStep:
 class RolloutEngine:
     def __init__(self, model, *, kv_pool_bytes: int, max_batch: int = 256, kv_dtype: torch.dtype | None = None,
                  compile_decode: bool | None = None, prefill_tokens: int = 16384, check_interval: int | None = None,
-                 pad_id: int = 0):
+                 pad_id: int = 0, decode_kernel: str | None = None, flex_options: dict | None = None):
         self.model = model
         self.kv_pool_bytes = int(kv_pool_bytes)
         self.max_batch = max_batch
         self.kv_dtype = kv_dtype
         self.device = next(model.parameters()).device
-        # compile_decode: on CUDA the decode step is captured once as a CUDA graph and replayed per token.
+        # compile_decode: the decode step is torch.compile'd and, on CUDA, captured once as a CUDA graph and
+        # replayed per token. FSDP2-wrapped modules are captured uncompiled (their hooks are not traced here).
         self.compile_decode = self.device.type == "cuda" if compile_decode is None else compile_decode
         self.use_graphs = self.compile_decode and self.device.type == "cuda"
+        self.use_compile = self.compile_decode and not hasattr(model, "unshard")
+        # The flex kernels only pay compiled on CUDA (inductor's CPU flex has no log-sum-exp output); elsewhere
+        # "matmul" is the faster of the two.
+        self.decode_kernel = decode_kernel or ("flex" if self.use_compile and self.device.type == "cuda" else "matmul")
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
+        self.flex_options = flex_options
         self._step_params: SamplingParams | None = None
         self.prefill_tokens = prefill_tokens
         # Checking for finished samples costs a host sync; on GPU do it every few steps.
@@ -142,13 +151,18 @@ class RolloutEngine:
     def _decode_step(self, params: SamplingParams, tokens, positions, suffix_len, seeds, steps):
         model = self.model
         h = model.tok_embeddings(tokens[:, None])
-        hidden = model.decode(h, positions.view(1, -1, 1).expand(3, -1, 1), GroupedDecodeAttention(self.pool, suffix_len))
+        attn = GroupedDecodeAttention(self.pool, suffix_len, self.decode_kernel, self.flex_options)
+        hidden = model.decode(h, positions.view(1, -1, 1).expand(3, -1, 1), attn)
         return sample(model.logits(hidden[:, 0]), params, seeds, steps)
 
     def _step(self, params: SamplingParams):
-        """The decode step for these sampling params: eager, or (CUDA) replayed from one captured graph."""
+        """The decode step for these sampling params: eager, compiled, and (CUDA) replayed from one captured graph.
+
+        Shapes are static for the pool's lifetime, so one compilation serves every step of every rollout on it."""
         if self._step_fn is None or self._step_params != params:
             fn = lambda *state: self._decode_step(params, *state)
+            if self.use_compile:
+                fn = torch.compile(fn, dynamic=False)
             self._step_fn = CapturedStep(fn) if self.use_graphs else fn
             self._step_params = params
         return lambda params, *state: self._step_fn(*state)

@@ -11,6 +11,7 @@ A group slot is taken when a prompt is prefilled and given back when all its sam
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 
 class PoolTooSmallError(RuntimeError):
@@ -89,26 +90,102 @@ class GroupKVPool:
         self.prompt_len[group] = length
 
 
+DECODE_KERNELS = ("matmul", "flex")
+FLEX_BLOCK = 128  # K/V block of the flex kernels' block masks
+# Kernel options of the prompt call. Measured on an H200 (benchmarks/probes/flex_decode_tune.py, 7B geometry, 2048
+# prompt tokens, 7 query rows per K/V head): 64 groups x 4 heads ran at 80.8 us with 4 warps against 85.4 us with
+# flex's default 2 (and 65 us vs 92 us inside the whole decode step); 256 groups were within 1 % either way;
+# more split-K partitions were slower at both sizes.
+FLEX_PROMPT_OPTIONS = {"num_warps": 4}
+
+
+def _length_block_mask(lengths: torch.Tensor, inside, q_len: int, kv_len: int) -> BlockMask:
+    """Block mask for rows of batch entry b that see keys [0, lengths[b]), built from tensors only (no host sync,
+    CUDA-graph safe). Blocks wholly inside the length skip the mask function `inside`; the one straddling it applies
+    it; blocks past it are not visited, so a step reads only the K/V that exist. `inside` should read a tensor that
+    is an input of the compiled step (not one computed in it, like `lengths` may be)."""
+    blocks = -(-kv_len // FLEX_BLOCK)
+    full = torch.div(lengths, FLEX_BLOCK, rounding_mode="floor").clamp(max=blocks)
+    partial = ((lengths % FLEX_BLOCK) > 0) & (full < blocks)
+    order = torch.arange(blocks, device=lengths.device, dtype=torch.int32)
+    shape = (lengths.shape[0], 1, 1, blocks)
+    full_idx = order.view(1, 1, 1, -1).expand(shape).contiguous()
+    partial_idx = (order.view(1, -1) + full.view(-1, 1).int()).clamp(max=blocks - 1).view(shape).contiguous()
+    return BlockMask.from_kv_blocks(partial.int().view(-1, 1, 1), partial_idx, full.int().view(-1, 1, 1), full_idx,
+                                    BLOCK_SIZE=FLEX_BLOCK, mask_mod=inside, seq_lengths=(q_len, kv_len),
+                                    compute_q_blocks=False)
+
+
 class GroupedDecodeAttention:
     """Attention context for one decode step over every sample slot of the pool (static shapes).
 
     q, k, v: (slots, H|Hkv, 1, D). The new k/v are written at each slot's current length; queries attend to
-    their group's prompt K/V and to their own generated K/V up to and including the new token. Softmax runs
-    over both parts jointly in fp32. Inactive slots compute garbage that nobody reads.
+    their group's prompt K/V and to their own generated K/V up to and including the new token. Inactive slots
+    compute garbage that nobody reads. Two kernels compute the same thing:
+
+    - "matmul": softmax over both parts jointly in fp32 with batched matmuls over the whole pool (eager, CPU).
+    - "flex": two flex-attention calls, the group's n*H query rows against its prompt once and each sample's
+      rows against its own tokens, each visiting only the K/V blocks below its length, merged exactly through
+      their log-sum-exps. Under torch.compile (CUDA) each call is one fused split-K decoding kernel; eager it is
+      flex's unfused reference, which the CPU tests compare with "matmul".
     """
 
-    def __init__(self, pool: GroupKVPool, suffix_len: torch.Tensor):
-        self.pool = pool
+    def __init__(self, pool: GroupKVPool, suffix_len: torch.Tensor, kernel: str = "matmul",
+                 flex_options: dict | None = None):
+        if kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode attention kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
+        self.pool, self.kernel = pool, kernel
+        self.flex_options = FLEX_PROMPT_OPTIONS if flex_options is None else flex_options
         self.suffix_len = suffix_len  # (slots,) tokens already generated = write position
         slots = pool.num_slots
         self.rows = torch.arange(slots, device=pool.device)
-        self.prefix_valid = torch.arange(pool.max_prompt, device=pool.device)[None] < pool.prompt_len[:, None]
-        self.suffix_valid = torch.arange(pool.max_new, device=pool.device)[None] <= suffix_len[:, None]
+        if kernel == "flex":
+            self._masks: tuple[BlockMask, BlockMask] | None = None  # built at the first layer, shared by all
+        else:
+            self.prefix_valid = torch.arange(pool.max_prompt, device=pool.device)[None] < pool.prompt_len[:, None]
+            self.suffix_valid = torch.arange(pool.max_new, device=pool.device)[None] <= suffix_len[:, None]
 
     def __call__(self, layer: int, q, k, v):
         pool = self.pool
         pool.suffix_k[layer][self.rows, :, self.suffix_len] = k[:, :, 0].to(pool.dtype)
         pool.suffix_v[layer][self.rows, :, self.suffix_len] = v[:, :, 0].to(pool.dtype)
+        if self.kernel == "flex":
+            return self._flex(layer, q)
+        return self._matmul(layer, q)
+
+    def _flex(self, layer: int, q):
+        pool = self.pool
+        slots, heads, _, dim = q.shape
+        groups, n, hkv = pool.num_groups, pool.n, pool.num_kv_heads
+        rep = heads // hkv
+        lse_only = AuxRequest(lse=True)
+        out_dtype, q = q.dtype, q.to(pool.dtype)
+        # The rep query heads of a K/V head are folded into query rows (plain multi-head attention with a few rows,
+        # which flex runs as its split-K decoding kernel for any GQA ratio; Qwen2.5-7B has 7). A group's n samples
+        # are more rows against its prompt: the prompt's K/V is read once per group.
+        if self._masks is None:
+            prompt_len, suffix_len = pool.prompt_len, self.suffix_len
+            self._masks = (
+                _length_block_mask(prompt_len, lambda b, h, q_idx, kv_idx: kv_idx < prompt_len[b], n * rep,
+                                   pool.max_prompt),
+                _length_block_mask(suffix_len + 1, lambda b, h, q_idx, kv_idx: kv_idx <= suffix_len[b], rep,
+                                   pool.max_new))
+        prefix_mask, suffix_mask = self._masks
+        qg = q.view(groups, n, hkv, rep, dim).transpose(1, 2).reshape(groups, hkv, n * rep, dim)
+        o_pre, aux = flex_attention(qg, pool.prefix_k[layer], pool.prefix_v[layer], block_mask=prefix_mask,
+                                    return_aux=lse_only, kernel_options=self.flex_options)
+        o_pre = o_pre.view(groups, hkv, n, rep, dim).transpose(1, 2).reshape(slots, heads, 1, dim)
+        lse_pre = aux.lse.view(groups, hkv, n, rep).transpose(1, 2).reshape(slots, heads, 1)
+        o_suf, aux = flex_attention(q.view(slots, hkv, rep, dim), pool.suffix_k[layer], pool.suffix_v[layer],
+                                    block_mask=suffix_mask, return_aux=lse_only)
+        o_suf, lse_suf = o_suf.reshape(slots, heads, 1, dim), aux.lse.reshape(slots, heads, 1)  # lse finite: the
+        top = torch.maximum(lse_pre, lse_suf)                                               # new token is in it
+        w_pre, w_suf = torch.exp(lse_pre - top), torch.exp(lse_suf - top)  # an empty prompt has lse -inf: weight 0
+        out = (o_pre.float() * w_pre[..., None] + o_suf.float() * w_suf[..., None]) / (w_pre + w_suf)[..., None]
+        return out.to(out_dtype)
+
+    def _matmul(self, layer: int, q):
+        pool = self.pool
         slots, heads, _, dim = q.shape
         groups, n, hkv = pool.num_groups, pool.n, pool.num_kv_heads
         rep = heads // hkv

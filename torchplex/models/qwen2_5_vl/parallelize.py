@@ -80,6 +80,8 @@ _CHECKPOINTED_CLASSES: dict[type, type] = {}
 def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
     if cls not in _CHECKPOINTED_CLASSES:
         def forward(self, *args, **kwargs):
+            if not torch.is_grad_enabled():  # nothing to save (rollout, reference): and checkpoint() is opaque to
+                return cls.forward(self, *args, **kwargs)  # torch.compile, which the decode step needs to see through
             return checkpoint(cls.forward, self, *args, use_reentrant=False, **kwargs)
 
         _CHECKPOINTED_CLASSES[cls] = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})

@@ -1,0 +1,65 @@
+"""Time the decode kernel of the prompt part (flex decoding, GQA folded into query rows) over kernel options.
+
+    python benchmarks/probes/flex_decode_tune.py --out best.json   # H200: writes the fastest options per shape
+
+Shapes are the 7B decode bench's: groups x 4 K/V heads, 7 query rows (n=1) or 56 (n=8), 2048 prompt tokens. Each
+configuration is compiled once and timed with triton's do_bench; achieved bandwidth = K/V bytes / time.
+"""
+import argparse
+import faulthandler
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from torchplex.rollout.kv_pool import _length_block_mask  # noqa: E402
+
+
+def time_config(groups, rows, length, options):
+    torch._dynamo.reset()
+    q = torch.randn(groups, 4, rows, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(groups, 4, length, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.full((groups,), length, device="cuda")
+    mask = _length_block_mask(lens, lambda b, h, qi, kv: kv < lens[b], rows, length)
+    fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=mask, return_aux=AuxRequest(lse=True),
+                                                      kernel_options=options), dynamic=False)
+    fn(q, k, v)
+    ms = do_bench(lambda: fn(q, k, v), warmup=20, rep=100)
+    return ms * 1e3, 2 * k.numel() * k.element_size() / (ms * 1e-3) / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    faulthandler.dump_traceback_later(170, exit=True)
+    kernels = [dict(BLOCK_N=64, num_stages=3, num_warps=2), dict(BLOCK_N=64, num_stages=3, num_warps=4),
+               dict(BLOCK_N=128, num_stages=3, num_warps=4), dict(BLOCK_N=128, num_stages=2, num_warps=8)]
+    # (shape, splits to try): None is flex's own choice (2 per SM over batch x heads, at least 1)
+    plan = [((64, 7, 2048), (None, 2, 4, 8), kernels), ((256, 7, 2048), (None, 2), kernels),
+            ((8, 56, 2048), (None, 16), kernels[:3:2])]
+    best = {}
+    cases = [(shape, split, kern) for shape, splits, kerns in plan for split in splits for kern in kerns]
+    for (groups, rows, length), split, kern in cases:
+        options = dict(kern) if split is None else dict(kern, SPLIT_KV=split)
+        try:
+            us, gbps = time_config(groups, rows, length, options)
+        except Exception as err:
+            print(json.dumps({"shape": [groups, rows, length], "options": options, "error": repr(err)[:300]}), flush=True)
+            continue
+        print(json.dumps({"shape": [groups, rows, length], "options": options, "us": us, "GBps": gbps}), flush=True)
+        key = f"{groups}x{rows}x{length}"
+        if key not in best or us < best[key]["us"]:
+            best[key] = {"options": options, "us": us, "GBps": gbps}
+            if a.out:  # after every improvement: a run cut short still leaves its best so far
+                Path(a.out).write_text(json.dumps(best, indent=1))
+    print(json.dumps(best, indent=1))
+
+
+if __name__ == "__main__":
+    main()
