@@ -3,7 +3,8 @@
     ./run_train.sh                                   # tiny model on CPU, train_configs/debug.toml
     CONFIG_FILE=train_configs/qwen2_5_vl_7b.toml NGPU=8 ./run_train.sh --optimizer.lr=1e-6
 
-Each step: rollout (native engine on the actor's own weights) -> rewards and group advantages -> reference
+Each step: rollout (native engine on the actor's own weights; with parallelism.rollout_tp != tp on a rollout model
+that shares them, runtime/rollout_weights.py) -> rewards and group advantages -> reference
 log-probs -> PPO-clip training, run by the step executor (runtime/executor.py). `runtime.mode` picks the schedule:
 "serial" (every sample a full prompt+response forward), "decomposed" (the prompt prefix once per prompt, shared by
 its G samples) or "overlapped" (decomposed, with the actor prefix fused into the rollout prefill).
@@ -36,12 +37,12 @@ from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl, reshard
 from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
 from .rl.losses import PolicyLossConfig
 from .rl.rewards import format_reward, is_correct
-from .rollout.engine import RolloutEngine
 from .rollout.sampling import SamplingParams
 from .runtime.executor import StepRunner, StepSettings
 from .runtime.memory import MemoryManager, MemoryPlan, module_group, optimizer_state_group
 from .runtime.grpo_step import all_reduce_sums, kl_to_reference
 from .runtime.planner import PlanOptions
+from .runtime.rollout_weights import build_rollout_engine
 from .runtime.scoring import ScoreRequest, SerialScorer
 
 log = logging.getLogger("torchplex")
@@ -64,9 +65,6 @@ class Trainer:
         self.cfg = cfg
         if cfg.rollout.backend != "native":
             raise ValueError(f"rollout.backend = {cfg.rollout.backend!r} is not available yet; use \"native\"")
-        if cfg.parallelism.rollout_tp != cfg.parallelism.tp:
-            raise ValueError("parallelism.rollout_tp different from parallelism.tp is not wired into the trainer yet "
-                             "(torchplex/distributed/weight_sharing.py has the mechanism); set them equal")
         self.rank, self.world, self.device = init_distributed()
         p = cfg.parallelism
         self.dims = build_parallel_dims(p.dp_shard, p.tp, self.world) if self.world > 1 else None
@@ -106,10 +104,10 @@ class Trainer:
         if cfg.algorithm.kl_coef > 0:  # coefficient 0: the reference is never loaded
             self.reference = build_model(hf_dir=ckpt, device=self.device, dtype=dtype,
                                          parallelize=self._parallelize).eval().requires_grad_(False)
-        self.engine = RolloutEngine(self.actor, kv_pool_bytes=int(cfg.rollout.kv_pool_gib * 2**30),
-                                    max_batch=cfg.rollout.max_batch, pad_id=self.pad_id,
-                                    # decode replays one CUDA graph; FSDP2's gathers cannot live inside one
-                                    compile_decode=self.device.type == "cuda" and self.dims is None)
+        # rollout_tp != tp: rollout runs on a model sharing the actor's storage (runtime/rollout_weights.py)
+        self.engine = build_rollout_engine(self.actor, self.dims, cfg.parallelism.rollout_tp,
+                                           kv_pool_bytes=int(cfg.rollout.kv_pool_gib * 2**30),
+                                           max_batch=cfg.rollout.max_batch, pad_id=self.pad_id, device=self.device)
         if self.reference is not None and cfg.model.freeze_vision:
             self.reference.visual = self.actor.visual  # the same frozen weights: keep one copy, encode once
         o = cfg.optimizer
@@ -127,7 +125,9 @@ class Trainer:
                                 advantage=a.advantage, dynamic_sampling=a.dynamic_sampling,
                                 temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size,
                                 ppo_epochs=a.ppo_epochs, grad_clip=o.grad_clip, loss=loss_cfg,
-                                plan=PlanOptions(mode=cfg.runtime.mode),
+                                # the fused actor prefix's K/V hold the actor's TP heads, not the rollout's
+                                plan=PlanOptions(mode=cfg.runtime.mode,
+                                                 fuse_actor_prefix=cfg.parallelism.rollout_tp == cfg.parallelism.tp),
                                 checkpoint_prefix=cfg.runtime.checkpoint_prefix)
         self.memory = self._memory_manager() if cfg.memory.managed else None
         self.runner = StepRunner(self.actor, self.reference, self.engine, self.optimizer, self.lr_scheduler,

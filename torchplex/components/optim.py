@@ -68,6 +68,12 @@ def build_optimizer(
                         through `clip_grad_norm(..., optimizer=...)` to reach those copies.
     """
     params = _trainable_params(params_or_model)
+    is_dtensor = [isinstance(p, DTensor) for p in params if not isinstance(p, dict)]
+    if any(is_dtensor) and not all(is_dtensor):
+        # TP without FSDP2: TP'd decoder weights are DTensors, the replicated rest plain tensors, and a foreach
+        # or fused kernel refuses a list mixing both. One param group each keeps the fast kernels.
+        params = [{"params": [p for p in params if isinstance(p, DTensor)]},
+                  {"params": [p for p in params if not isinstance(p, DTensor)]}]
     hyper = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     if name == "adamw":
         on_cuda = _param_devices(params) == {"cuda"}
