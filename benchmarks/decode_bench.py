@@ -166,7 +166,7 @@ def main():
     ap.add_argument("--hf-batch", type=int, nargs="+", default=[64], help="batches to time transformers at")
     ap.add_argument("--eager", action="store_true", help="no compile, no CUDA graph: launch every kernel each step")
     ap.add_argument("--baseline", action="store_true",
-                    help="also time the uncompiled matmul-attention step in a CUDA graph (the engine before flex)")
+                    help="also time the matmul-attention step compiled (no flex) and eager (no compile, no graph)")
     ap.add_argument("--profile-dir", default="", help="write per-kernel GPU time tables of a few steps here")
     ap.add_argument("--flex-options-file", default="", help="JSON of benchmarks/probes/flex_decode_tune.py: use its "
                     "fastest kernel options for the prompt call (key '<groups>x7x<context>')")
@@ -209,7 +209,7 @@ def main():
     tuned = json.loads(Path(a.flex_options_file).read_text()) if a.flex_options_file else {}
     variants = [("compiled", not a.eager, None, True)]
     if a.baseline:
-        variants += [("compiled_matmul", True, "matmul", True), ("graph_only_matmul", False, "matmul", True)]
+        variants += [("compiled_matmul", True, "matmul", True), ("eager_matmul", False, "matmul", False)]
     for batch in a.batch:
         for label, compile_decode, kernel, graphs in variants:
             if label != "compiled" and batch != a.batch[0]:

@@ -157,3 +157,17 @@ def test_compiled_decode_step_equals_eager(setup):
         for out in group:
             ref = teacher_forced(model, prompt, out.token_ids, params)
             assert ((torch.tensor(out.logprobs) - ref).abs() / ref.abs().clamp_min(1e-3)).max().item() < 1e-4
+
+
+def test_decode_step_is_reused_across_seeds_and_pool_release(setup):
+    """A new seed per GRPO step and the pool's release between rollouts keep the same (compiled) step function:
+    on CUDA, recompiling per step would cost tens of seconds each time."""
+    _, model, prompts, eos = setup
+    engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20)
+    engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=3, seed=1))
+    compiled = engine._compiled_step
+    engine.release()
+    engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=3, seed=2))
+    assert engine._compiled_step is compiled
+    engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=3, seed=2, temperature=0.5))
+    assert engine._compiled_step is not compiled  # other sampling: another step

@@ -12,6 +12,7 @@ replace the prefill with its own (`prefill_fn`, e.g. one that keeps autograd for
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -106,6 +107,7 @@ class RolloutEngine:
             raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
         self.flex_options = flex_options
         self._step_params: SamplingParams | None = None
+        self._compiled_step = None
         self.prefill_tokens = prefill_tokens
         # Checking for finished samples costs a host sync; on GPU do it every few steps.
         self.check_interval = check_interval or (4 if self.device.type == "cuda" else 1)
@@ -159,12 +161,16 @@ class RolloutEngine:
         """The decode step for these sampling params: eager, compiled, and (CUDA) replayed from one captured graph.
 
         Shapes are static for the pool's lifetime, so one compilation serves every step of every rollout on it."""
-        if self._step_fn is None or self._step_params != params:
-            fn = lambda *state: self._decode_step(params, *state)
-            if self.use_compile:
-                fn = torch.compile(fn, dynamic=False)
-            self._step_fn = CapturedStep(fn) if self.use_graphs else fn
-            self._step_params = params
+        # The seed reaches the step as per-sample tensors, so a new seed per GRPO step reuses the compiled step; the
+        # compiled function outlives pool release/reserve (same shapes), only the CUDA graph is captured again.
+        key = dataclasses.replace(params, seed=0)
+        if self._step_params != key:
+            self._step_params = key  # one object per distinct params: what the compiled step's guards see
+            fn = lambda *state: self._decode_step(key, *state)
+            self._compiled_step = torch.compile(fn, dynamic=False) if self.use_compile else fn
+            self._step_fn = None
+        if self._step_fn is None:
+            self._step_fn = CapturedStep(self._compiled_step) if self.use_graphs else self._compiled_step
         return lambda params, *state: self._step_fn(*state)
 
     @torch.no_grad()
