@@ -2,6 +2,7 @@
 
     python benchmarks/memory_plan.py --flavor 7B                       # one H200, fp32 master + AdamW
     python benchmarks/memory_plan.py --flavor 32B --dp-shard 8 --json outputs/memory_plan_32b.json
+    python benchmarks/memory_plan.py --flavor 7B --activation-checkpointing --stream-chunk-gib 2 --hbm-gib 116
 
 Computed, not measured: the geometry comes from `get_flavor` on the meta device (nothing is allocated), and the
 byte counts of each tensor group follow from the precision recipe and the rollout/training settings. Runs on CPU in
@@ -14,11 +15,14 @@ about a second. The groups and the phases that need them:
     master_weights     fp32 master weights          optimizer          (--master none: trained in bf16 directly)
     optimizer_state    AdamW moments                optimizer          (8-bit with adamw8bit; host with cpu offload)
     *_activations, *_workspace                      estimates of what each phase allocates for itself
+                                                    (train: `train_activation_bytes`, measured on CPU)
 
 "naive" keeps every weight and optimizer tensor on the device all the time (what the trainer does today, which
 already frees the KV pool and the gradients between uses); "managed" is `MemoryPlan.build` under --hbm-gib.
-Activation estimates are per token per decoder layer in bf16 with fp32 RMSNorm inputs (see `layer_saved_bytes`);
-they are estimates, the H200 run measures the real peaks per phase with torch.cuda.max_memory_allocated.
+Activation estimates are per token per decoder layer in bf16 with fp32 RMSNorm inputs (see `layer_saved_bytes`),
+plus, in training, the LM head's fp32 chunks and the suffix gradients held for shared weights
+(`train_activation_bytes`, checked against a CPU count of live tensors in benchmarks/train_memory_probe.py); they
+are estimates, the H200 run measures the real peaks per phase with torch.cuda.max_memory_allocated.
 """
 
 from __future__ import annotations
@@ -55,6 +59,61 @@ def layer_workspace_bytes(hidden: int, kv_dim: int, inter: int) -> int:
     return 10 * hidden + 4 * kv_dim + 6 * inter
 
 
+def decoder_param_bytes(t, dtype_bytes: int = 2) -> int:
+    """Bytes of the decoder layers' parameters (attention with q/k/v biases, SwiGLU, two norms)."""
+    kv_dim = t.num_kv_heads * t.head_dim
+    h, i = t.hidden_size, t.intermediate_size
+    per_layer = h * h + h + 2 * (kv_dim * h + kv_dim) + h * h + 3 * h * i + 2 * h
+    return t.num_layers * per_layer * dtype_bytes
+
+
+def train_activation_bytes(args: ModelArgs, *, prompt_tokens: int, group: int, response: int, micro_batch: int,
+                           checkpointing: bool, vision_trainable: bool, image_tokens: int | None = None,
+                           logits_chunk: int = LOGITS_CHUNK) -> dict[str, int]:
+    """What the actor-training phase allocates beyond weights and the accumulated gradients, per micro-batch of
+    whole groups under decomposed scoring (one prefix with autograd, G suffixes on it), bf16 weights.
+
+    held        autograd's saved tensors for the whole micro-batch: each layer's input (checkpointing) or its
+                saved activations, the prefix's recorded K/V, the vision tower's block inputs (when it trains),
+                the pixel batch (fp32 and bf16) and the suffixes' attention mask
+    then the largest of three moments:
+    entropy     the forward's no-grad entropy of one LM-head chunk: bf16 logits + four fp32 [chunk x V] tensors
+    lm_head     the LM head's backward (`logprobs_from_hidden`): an fp32 [V x D] weight-gradient accumulator, a
+                bf16 [V x D] partial product and one chunk's fp32 logits / softmax / gradient
+    pending     the end of the suffix backward: every parameter both the prefix and the suffixes use (decoder
+                layers, token embeddings) already has its suffix gradient, which autograd holds in the
+                parameter's input buffer until the prefix backward adds the prefix's part (a whole bf16 copy
+                of those gradients), plus one layer's recompute
+    Measured on CPU by benchmarks/train_memory_probe.py (tests/test_memory_train_estimate.py).
+    """
+    t, v = args.text, args.vision
+    kv_dim = t.num_kv_heads * t.head_dim
+    h, vocab = t.hidden_size, t.vocab_size
+    saved = layer_saved_bytes(h, kv_dim, t.intermediate_size)
+    mb_prompts = max(1, micro_batch // group)
+    prefix, suffix = mb_prompts * prompt_tokens, mb_prompts * group * response
+    per_layer = 2 * h if checkpointing else saved
+    image = prompt_tokens if image_tokens is None else image_tokens
+    patches = mb_prompts * image * v.spatial_merge_size ** 2
+    vision_saved = layer_saved_bytes(v.hidden_size, v.hidden_size, v.intermediate_size)
+    vision = 0
+    if vision_trainable:
+        vision = patches * v.depth * (2 * v.hidden_size if checkpointing else vision_saved)
+    pixels = patches * v.in_channels * v.temporal_patch_size * v.patch_size ** 2 * (4 + 2)  # fp32 batch + bf16
+    mask = suffix * (prefix + suffix) * 3  # the suffixes' block mask (bool) and its additive form in attention
+    held = (prefix + suffix) * t.num_layers * per_layer + prefix * t.num_layers * 4 * kv_dim + vision + pixels + mask
+    chunk = min(logits_chunk, suffix)
+    entropy = chunk * vocab * (2 + 4 * 4)
+    lm_head = 4 * vocab * h + max(2 * vocab * h + 6 * chunk * vocab, 14 * chunk * vocab)
+    recompute = (max(prefix, suffix) * saved if checkpointing else 0) + (
+        patches * vision_saved if vision_trainable and checkpointing else 0)
+    shared = decoder_param_bytes(t) + 2 * vocab * h  # decoder layers + token embeddings, bf16
+    # the prefix's part of a decoder weight's gradient and their sum (out of place) exist next to the pending part
+    pending = shared + recompute + 2 * 2 * h * t.intermediate_size
+    return {"held": held, "entropy": entropy, "lm_head": lm_head, "pending_grads": pending,
+            "total": held + max(entropy, lm_head, pending)}
+
+
 def param_counts(args: ModelArgs) -> tuple[list[int], list[int], int]:
     """(numel of each language-model parameter, of each vision-tower parameter, bf16 bytes of one decoder layer)."""
     with torch.device("meta"):
@@ -76,7 +135,7 @@ def adamw8bit_state_bytes(numels: list[int], small_bytes: int, block: int = 256)
 
 def step_groups(args: ModelArgs, counts, s: argparse.Namespace, optimizer: str) -> list[TensorGroup]:
     text, vision, layer_bytes = counts
-    t, v = args.text, args.vision
+    t = args.text
     shard = s.dp_shard
     total = sum(text) + sum(vision)
     trainable_numels = text if s.freeze_vision else text + vision
@@ -99,14 +158,8 @@ def step_groups(args: ModelArgs, counts, s: argparse.Namespace, optimizer: str) 
     if s.kv_pool_gib:
         kv = min(kv, int(s.kv_pool_gib * GiB))
 
-    saved = layer_saved_bytes(t.hidden_size, kv_dim, t.intermediate_size)
-    per_layer = 2 * t.hidden_size if s.activation_checkpointing else saved
-    recompute = saved if s.activation_checkpointing else 0  # one layer's activations rebuilt in backward
     mb_prompts = max(1, s.micro_batch // s.group)  # whole groups per micro-batch: one prefix, G suffixes
     prefix_tokens, suffix_tokens = mb_prompts * s.prompt_tokens, mb_prompts * s.group * s.response_tokens
-    patches = mb_prompts * s.image_tokens * v.spatial_merge_size ** 2
-    vision_saved = 0 if s.freeze_vision else patches * v.depth * layer_saved_bytes(v.hidden_size, v.hidden_size,
-                                                                                   v.intermediate_size)
     logits = 2 * LOGITS_CHUNK * t.vocab_size * 4  # fp32 logits of one chunk and their softmax/gradient
     work = layer_workspace_bytes(t.hidden_size, kv_dim, t.intermediate_size)
     gather = 2 * layer_bytes if shard > 1 else 0  # FSDP2: this layer's and the next one's unsharded weights
@@ -122,10 +175,10 @@ def step_groups(args: ModelArgs, counts, s: argparse.Namespace, optimizer: str) 
         g("ref_weights", {"ref"}, 2 * (total - (sum(vision) if s.freeze_vision else 0)) / shard),
         g("ref_workspace", {"ref"}, prefix_tokens * t.num_layers * 2 * kv_dim * 2
           + max(prefix_tokens, suffix_tokens) * work + logits + gather, "transient"),
-        g("prefix_activations", {"train"}, prefix_tokens * (t.num_layers * per_layer + recompute) + vision_saved,
-          "transient"),
-        g("suffix_activations", {"train"}, suffix_tokens * (t.num_layers * per_layer + recompute) + logits + gather,
-          "transient"),
+        g("train_activations", {"train"}, train_activation_bytes(
+            args, prompt_tokens=s.prompt_tokens, group=s.group, response=s.response_tokens, micro_batch=s.micro_batch,
+            checkpointing=s.activation_checkpointing, vision_trainable=not s.freeze_vision,
+            image_tokens=s.image_tokens)["total"] + gather, "transient"),
         g("grads", {"train", "optimizer"}, trainable * grad_elem / shard, "transient"),
     ]
     if master:
@@ -133,7 +186,28 @@ def step_groups(args: ModelArgs, counts, s: argparse.Namespace, optimizer: str) 
     groups.append(g("optimizer_state", {"optimizer"}, state / shard, state_kind))
     if optimizer == "adamw_cpu_offload":  # torchao copies gradients into pinned host tensors during backward
         groups.append(g("host_grads", {"optimizer"}, trainable * grad_elem / shard, "host"))
+    if s.stream_chunk_gib and state_kind == "offload":
+        groups = streamed_setup(groups, s.stream_chunk_gib)
     return groups
+
+
+def streamed_setup(groups: list[TensorGroup], chunk_gib: float) -> list[TensorGroup]:
+    """The setup of benchmarks/memory_bench.py: the optimizer state streamed through the optimizer phase in
+    chunks of about `chunk_gib`, master weights kept on the device (needed everywhere), the reference frozen (copied
+    out once, then only freed)."""
+    every = frozenset(PHASES)
+    out = []
+    for grp in groups:
+        if grp.name == "optimizer_state":
+            n = max(1, -(-grp.nbytes // int(chunk_gib * GiB)))
+            sizes = [grp.nbytes // n + (1 if i < grp.nbytes % n else 0) for i in range(n)]
+            grp = TensorGroup(grp.name, grp.needed_in, "offload", chunk_nbytes=sizes)
+        elif grp.name == "master_weights":
+            grp = dataclasses.replace(grp, needed_in=every)
+        elif grp.name == "ref_weights":
+            grp = dataclasses.replace(grp, frozen=True)
+        out.append(grp)
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -156,6 +230,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--freeze-vision", action="store_true", help="frozen tower shared by actor and reference")
     p.add_argument("--pcie-gbs", type=float, default=50.0, help="host<->device copy bandwidth, GB/s")
+    p.add_argument("--stream-chunk-gib", type=float, default=0.0,
+                   help="stream the optimizer state in chunks of this size (0: move it whole); also keeps the "
+                        "master weights on the device and treats the reference as frozen (memory_bench's setup)")
     p.add_argument("--json", default="", help="also write every optimizer's plan here")
     return p.parse_args(argv)
 

@@ -12,22 +12,30 @@ Each large group is registered with the phases that need it (`TensorGroup`). `Me
 plain data: per phase, what is resident, what is copied out on entry, what is loaded late, what is prefetched for
 the next phase, and the expected peak. `MemoryManager.enter(phase)` executes one phase's row: it frees what the
 phase does not hold, waits on the prefetches of what it needs, and starts the next phase's prefetches on a copy
-engine (a CUDA copy stream on GPU), so transfers overlap the phase's compute.
+engine (CUDA copy streams on GPU, `memory_copy.py`), so transfers overlap the phase's compute.
 
 Group kinds:
     offload    data must survive: copied to a pinned host buffer (allocated once, reused) and the device storage
                freed in place (`untyped_storage().resize_(0)`), so modules and optimizers keep pointing at the same
-               Python tensors; prefetch re-allocates the storage and copies back.
+               Python tensors; prefetch re-allocates the storage and copies back. A `frozen` offload group (the
+               reference weights) never changes on the device: after its first copy out it is only freed.
     release    data need not survive: `release()` frees it, `reserve()` allocates it again (the rollout KV pool).
     transient  allocated and freed by the phase's own code (gradients, activations): counted, never moved.
     host       lives in host memory throughout (torchao's CPU-offloaded optimizer state): listed, never on device.
+
+A *streamed* offload group (`chunks`) is needed in one phase only and never held there whole: the phase walks its
+chunks with `MemoryManager.stream()`, which prefetches chunk i+1 while chunk i is used and copies chunk i out after,
+keeping at most the plan's `stream_window_bytes` of the group on the device (chunks in use, coming in, or still
+being copied out). The phase before may prefetch the first chunks where the budget allows. This is how the AdamW
+state (2 x fp32 per parameter) goes through the optimizer phase (`components/master_weights.py`).
 
 The plan's rule: a phase holds what it needs plus what the next phase needs (prefetched during it), as far as a
 device budget allows. Whatever the previous phase needed and this one does not hold is copied out on entry; until
 those copies finish their memory is still taken (the caching allocator only reuses a block once the copy stream
 has read it), so a phase's peak counts them, unless the plan "drains" them (waits for the copies, host-side,
 before allocating anything), which it does only when the budget requires it. A group that could not be prefetched
-is loaded on entry (blocking). `exposed_bytes` is what is copied without overlap: late loads and drained copies.
+is loaded on entry (blocking). `exposed_bytes` is what is copied without overlap: late loads, drained copies and
+the chunks a streamed phase must bring in after it started.
 
 On CPU the device is the host: the default `NoCopyEngine` moves nothing but the manager keeps the same
 bookkeeping (tracked bytes per phase equal the plan's peaks). The copy engine is injectable: `ThreadCopyEngine`
@@ -40,106 +48,22 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Iterator
 
 import torch
-from torch import Tensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-KINDS = ("offload", "release", "transient", "host")
+from .memory_copy import (CopyEngine, CudaStreamCopyEngine, DoneTicket, FutureTicket, HostArena,  # noqa: F401
+                          NoCopyEngine, NoTransferCopyEngine, StorageMove, ThreadCopyEngine, Ticket,
+                          default_copy_engine)
+
+from .memory_groups import (KINDS, TensorGroup, grads_group, kv_pool_group, module_group,  # noqa: F401
+                            optimizer_state_group, plain_tensors, tensor_bytes, window_bytes)
+
 GiB = 2**30
-
-
-# ---- groups ---------------------------------------------------------------------------------------------------
-def plain_tensors(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
-    """The dense tensors that own memory: DTensor shards and torchao's 8-bit optimizer states are unpacked."""
-    for t in tensors:
-        if is_traceable_wrapper_subclass(t):
-            names, _ = t.__tensor_flatten__()
-            yield from plain_tensors(getattr(t, n) for n in names)
-        else:
-            yield t
-
-
-def tensor_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (meta tensors: their own numel x element size)."""
-    seen, total = set(), 0
-    for t in plain_tensors(tensors):
-        ptr = 0 if t.device.type == "meta" else t.untyped_storage().data_ptr()
-        if ptr and ptr in seen:
-            continue
-        seen.add(ptr)
-        total += t.untyped_storage().nbytes() if ptr else t.numel() * t.element_size()
-    return total
-
-
-@dataclass
-class TensorGroup:
-    """Tensors with one lifetime: `needed_in` names the phases that produce or consume them.
-
-    `tensors` is called each time the group moves, so lazily created tensors (optimizer state appears at the first
-    step) are picked up. `nbytes` overrides the planned size (plan-only groups, e.g. on the meta device, need it).
-    """
-
-    name: str
-    needed_in: frozenset[str]
-    kind: str = "offload"
-    tensors: Callable[[], Iterable[Tensor]] | None = None
-    nbytes: int | None = None
-    release: Callable[[], None] | None = None
-    reserve: Callable[[], None] | None = None
-
-    def __post_init__(self) -> None:
-        self.needed_in = frozenset(self.needed_in)
-        if self.kind not in KINDS:
-            raise ValueError(f"group {self.name!r}: kind {self.kind!r} is not one of {KINDS}")
-        if not self.needed_in:
-            raise ValueError(f"group {self.name!r}: needed_in is empty; a group no phase needs should not be held")
-
-    def planned_bytes(self) -> int:
-        if self.nbytes is not None:
-            return int(self.nbytes)
-        return tensor_bytes(self.tensors()) if self.tensors is not None else 0
-
-
-def module_group(name: str, module: torch.nn.Module, needed_in: Iterable[str], *,
-                 exclude: Iterable[Tensor] = ()) -> TensorGroup:
-    """A module's parameters; `exclude` drops parameters another group owns (a vision tower shared by actor and
-    reference belongs to the actor only)."""
-    skip = {id(p) for p in exclude}
-    return TensorGroup(name, frozenset(needed_in), "offload",
-                       tensors=lambda: [p for p in module.parameters() if id(p) not in skip])
-
-
-def optimizer_state_group(name: str, optimizer: torch.optim.Optimizer, needed_in: Iterable[str],
-                          nbytes: int | None = None) -> TensorGroup:
-    """An optimizer's state tensors (empty until the first step: pass `nbytes` to plan before it).
-
-    torchao's CPUOffloadOptimizer keeps its state on the host already: the group is of kind "host".
-    """
-    host_opts = getattr(optimizer, "optim_dict", None)
-    if host_opts is not None:
-        states = lambda: [v for opt in host_opts.values() for s in opt.state.values() for v in s.values()
-                          if isinstance(v, Tensor)]
-        return TensorGroup(name, frozenset(needed_in), "host", tensors=states, nbytes=nbytes)
-    states = lambda: [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
-    return TensorGroup(name, frozenset(needed_in), "offload", tensors=states, nbytes=nbytes)
-
-
-def grads_group(name: str, module: torch.nn.Module, needed_in: Iterable[str]) -> TensorGroup:
-    """Gradients of the trainable parameters: created by backward, freed by `zero_grad(set_to_none=True)`."""
-    size = tensor_bytes(p for p in module.parameters() if p.requires_grad)
-    return TensorGroup(name, frozenset(needed_in), "transient", nbytes=size)
-
-
-def kv_pool_group(pool, needed_in: Iterable[str] = ("rollout",), name: str = "kv_pool") -> TensorGroup:
-    """A `GroupKVPool` (anything with release()/reserve()): its contents die with each rollout, so it is freed
-    rather than copied."""
-    return TensorGroup(name, frozenset(needed_in), "release", nbytes=pool.num_groups * pool.bytes_per_group,
-                       release=pool.release, reserve=pool.reserve)
+ARENA_SLACK_BYTES = 64 * 2**20  # alignment padding and small tensors beyond a group's planned bytes
 
 
 # ---- the plan -------------------------------------------------------------------------------------------------
@@ -149,21 +73,26 @@ class PlannedGroup:
     kind: str
     nbytes: int
     needed_in: list[str]
+    chunk_nbytes: list[int] | None = None  # streamed group: planned bytes of each chunk
+    frozen: bool = False
 
 
 @dataclass
 class PhasePlan:
     phase: str
     needed: list[str]       # groups the phase uses
-    resident: list[str]     # on device during the phase: needed (not host) + held or prefetched for the next
+    resident: list[str]     # on device during the phase: needed (not host, not streamed) + held or prefetched
     offload: list[str]      # on entry: copied out (offload kind) or freed (release kind)
     load: list[str]         # on entry, blocking: not prefetched earlier (offload kind) or reserved (release kind)
     prefetch: list[str]     # started on entry for the next phase, waited on when it enters
     drain: bool             # wait for this entry's copies out before allocating anything (budget too tight)
-    peak_bytes: int         # resident + copies still in flight unless drained
+    peak_bytes: int         # resident + streamed window + copies still in flight unless drained
     naive_bytes: int        # what the phase would hold if nothing ever left the device
-    exposed_bytes: int      # copied without overlapping compute: late loads + drained copies
+    exposed_bytes: int      # copied without overlapping compute: late loads + drained copies + streamed-in chunks
     fits: bool              # peak_bytes <= the plan's budget (True without a budget)
+    streamed: list[str] = field(default_factory=list)  # groups this phase walks chunk by chunk (stream())
+    stream_window_bytes: int = 0  # most bytes of streamed chunks on the device at once in this phase
+    prefetch_chunks: dict[str, int] = field(default_factory=dict)  # next phase's streamed groups: leading chunks
 
 
 @dataclass
@@ -171,58 +100,81 @@ class MemoryPlan:
     phases: list[PhasePlan]
     groups: list[PlannedGroup]
     budget_bytes: int | None = None
+    stream_window: int = 3  # chunks of a stream on the device in steady state: in use, coming in, going out
 
     @classmethod
-    def build(cls, groups: list[TensorGroup], phases: list[str], budget_bytes: int | None = None) -> "MemoryPlan":
+    def build(cls, groups: list[TensorGroup], phases: list[str], budget_bytes: int | None = None,
+              stream_window: int = 3) -> "MemoryPlan":
         """Per phase (cyclic: the last phase's next is the first), choose which of the next phase's groups to hold
-        and whether to drain: the choice that fits the budget with the fewest exposed bytes, then the lowest peak
-        (when nothing fits: the lowest peak)."""
+        (for a streamed group: how many of its leading chunks) and whether to drain: the choice that fits the
+        budget with the fewest exposed bytes, then the lowest peak (when nothing fits: the lowest peak)."""
         _validate(groups, phases)
-        info = [PlannedGroup(g.name, g.kind, g.planned_bytes(), [p for p in phases if p in g.needed_in])
-                for g in groups]
+        if stream_window < 2:
+            raise ValueError(f"stream_window must be >= 2 (the chunk in use and the next), got {stream_window}")
+        info = [PlannedGroup(g.name, g.kind, g.planned_bytes(), [p for p in phases if p in g.needed_in],
+                             g.planned_chunk_bytes(), g.frozen) for g in groups]
         by_name = {g.name: g for g in info}
         kind = lambda n: by_name[n].kind
         dev = lambda names: sum(by_name[n].nbytes for n in names if kind(n) != "host")
+        moving = lambda names: sum(by_name[n].nbytes for n in names if not by_name[n].frozen)  # copied out
         needed = {p: [g.name for g in info if p in g.needed_in] for p in phases}
+        plain = {p: [n for n in needed[p] if by_name[n].chunk_nbytes is None] for p in phases}
+        streamed = {p: [n for n in needed[p] if by_name[n].chunk_nbytes is not None] for p in phases}
+        per_chunk = {p: [sum(c) for c in zip(*(by_name[n].chunk_nbytes for n in streamed[p]))] for p in phases}
+        window = {p: window_bytes(per_chunk[p], stream_window) for p in phases}
         all_offload = [g.name for g in info if g.kind == "offload"]
 
-        chosen, drains = {}, {}
+        chosen, kchunks, drains = {}, {}, {}
         for i, p in enumerate(phases):
             prev, nxt = phases[i - 1], phases[(i + 1) % len(phases)]
-            candidates = [n for n in needed[nxt] if kind(n) == "offload" and n not in needed[p]]
+            candidates = [n for n in plain[nxt] if kind(n) == "offload" and n not in needed[p]]
+            k_options = range(len(per_chunk[nxt]) + 1) if nxt != p else [0]
+            nxt_floor = dev(plain[nxt])
             best = None
             for r in range(len(candidates) + 1):
                 for pick in itertools.combinations(candidates, r):
-                    resident = needed[p] + list(pick)
-                    outgoing = [n for n in needed[prev] if kind(n) == "offload" and n not in resident]
-                    skipped = dev(c for c in candidates if c not in pick)
-                    for drain in (False, True):
-                        peak = dev(resident) + (0 if drain else dev(outgoing))
-                        over = budget_bytes is not None and peak > budget_bytes
-                        exposed = skipped + (dev(outgoing) if drain else 0)
-                        key = (over, peak, exposed, drain) if over else (over, exposed, peak, drain)
-                        if best is None or key < best[0]:
-                            best = (key, list(pick), drain)
-            chosen[p], drains[p] = best[1], best[2]
+                    resident = plain[p] + list(pick)
+                    outgoing = [n for n in plain[prev] if kind(n) == "offload" and n not in resident]
+                    out_bytes = moving(outgoing) + window[prev]  # the previous stream's tail: at least a window
+                    for k in k_options:
+                        held = sum(per_chunk[nxt][:k])
+                        skipped = dev(c for c in candidates if c not in pick) + sum(per_chunk[nxt][k:])
+                        # holding k chunks also holds them at the next phase's start
+                        nxt_over = budget_bytes is not None and k > 0 and \
+                            nxt_floor + max(window[nxt], held) > budget_bytes
+                        for drain in (False, True):
+                            peak = dev(resident) + held + window[p] + (0 if drain else out_bytes)
+                            over = (budget_bytes is not None and peak > budget_bytes) or nxt_over
+                            exposed = skipped + (out_bytes if drain else 0)
+                            key = (over, peak, exposed, drain) if over else (over, exposed, peak, drain)
+                            if best is None or key < best[0]:
+                                best = (key, list(pick), k, drain)
+            chosen[p], kchunks[p], drains[p] = best[1], best[2], best[3]
 
+        cap = {p: max(window[p], sum(per_chunk[p][:kchunks[phases[i - 1]]])) if streamed[p] else 0
+               for i, p in enumerate(phases)}
         rows = []
         for i, p in enumerate(phases):
-            prev = phases[i - 1]
-            resident = [n for n in needed[p] if kind(n) != "host"] + chosen[p]
-            held_before = needed[prev] + chosen[prev]
+            prev, nxt = phases[i - 1], phases[(i + 1) % len(phases)]
+            resident = [n for n in plain[p] if kind(n) != "host"] + chosen[p]
+            held_before = plain[prev] + chosen[prev]
             outgoing = [n for n in held_before if kind(n) == "offload" and n not in resident]
             freed = [n for n in needed[prev] if kind(n) == "release" and n not in needed[p]]
-            late = [n for n in needed[p] if kind(n) == "offload" and n not in held_before]
+            late = [n for n in plain[p] if kind(n) == "offload" and n not in held_before]
             reserved = [n for n in needed[p] if kind(n) == "release" and n not in needed[prev]]
-            drain = drains[p] and bool(outgoing)
-            peak = dev(resident) + (0 if drain else dev(outgoing))
+            out_bytes = moving(outgoing) + cap[prev]
+            drain = drains[p] and out_bytes > 0
+            held_next = sum(per_chunk[nxt][:kchunks[p]])
+            streamed_late = sum(per_chunk[p][kchunks[prev]:]) if streamed[p] else 0
+            peak = dev(resident) + held_next + cap[p] + (0 if drain else out_bytes)
             rows.append(PhasePlan(
                 phase=p, needed=needed[p], resident=resident, offload=outgoing + freed, load=late + reserved,
                 prefetch=[n for n in chosen[p] if n not in needed[prev]], drain=drain, peak_bytes=peak,
                 naive_bytes=dev(all_offload) + dev(n for n in needed[p] if kind(n) != "offload"),
-                exposed_bytes=dev(late) + (dev(outgoing) if drain else 0),
-                fits=budget_bytes is None or peak <= budget_bytes))
-        return cls(rows, info, budget_bytes)
+                exposed_bytes=dev(late) + (out_bytes if drain else 0) + streamed_late,
+                fits=budget_bytes is None or peak <= budget_bytes, streamed=streamed[p], stream_window_bytes=cap[p],
+                prefetch_chunks={n: kchunks[p] for n in streamed[nxt]} if kchunks[p] else {}))
+        return cls(rows, info, budget_bytes, stream_window)
 
     def phase(self, name: str) -> PhasePlan:
         for row in self.phases:
@@ -240,14 +192,21 @@ class MemoryPlan:
 
     @property
     def floor_bytes(self) -> int:
-        """The least any plan can peak at: the largest phase's own needs (no prefetch, every copy drained)."""
-        size = {g.name: g.nbytes for g in self.groups if g.kind != "host"}
-        return max(sum(size.get(n, 0) for n in r.needed) for r in self.phases)
+        """The least any plan can peak at: the largest phase's own needs (no prefetch, every copy drained; a
+        streamed group counts one window of chunks)."""
+        by_name = {g.name: g for g in self.groups}
+
+        def need(row):
+            chunks = [sum(c) for c in zip(*(by_name[n].chunk_nbytes for n in row.streamed))]
+            return (sum(by_name[n].nbytes for n in row.needed if by_name[n].kind != "host" and n not in row.streamed)
+                    + window_bytes(chunks, self.stream_window))
+
+        return max(need(r) for r in self.phases)
 
     @property
     def host_bytes(self) -> int:
         """Host memory the plan needs: buffers of groups offloaded somewhere, plus host-resident groups."""
-        moved = {n for r in self.phases for n in r.offload}
+        moved = {n for r in self.phases for n in r.offload + r.streamed}
         return sum(g.nbytes for g in self.groups
                    if g.kind == "host" or (g.kind == "offload" and g.name in moved))
 
@@ -260,16 +219,21 @@ class MemoryPlan:
     def __str__(self) -> str:
         gib = lambda b: f"{b / GiB:8.2f}"
         lines = [f"{'group':<22}{'kind':<11}{'GiB':>8}  needed in"]
-        lines += [f"{g.name:<22}{g.kind:<11}{gib(g.nbytes)}  {', '.join(g.needed_in)}" for g in self.groups]
+        for g in self.groups:
+            chunks = f" ({len(g.chunk_nbytes)} chunks, streamed)" if g.chunk_nbytes is not None else ""
+            frozen = " (frozen)" if g.frozen else ""
+            lines.append(f"{g.name:<22}{g.kind:<11}{gib(g.nbytes)}  {', '.join(g.needed_in)}{chunks}{frozen}")
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.2f} GiB"
         lines += ["", f"budget {budget}; host buffers {self.host_bytes / GiB:.2f} GiB",
                   f"{'phase':<11}{'peak':>8}{'naive':>8}{'exposed':>8}  resident | offload | load | prefetch"]
         for r in self.phases:
             flag = "" if r.fits else "  OVER BUDGET"
             drain = " (drained)" if r.drain else ""
+            resident = r.resident + [f"{n}(stream<={r.stream_window_bytes / GiB:.2f})" for n in r.streamed]
+            prefetch = r.prefetch + [f"{n}[:{k}]" for n, k in r.prefetch_chunks.items()]
             lines.append(f"{r.phase:<11}{gib(r.peak_bytes)}{gib(r.naive_bytes)}{gib(r.exposed_bytes)}  "
-                         f"{' '.join(r.resident) or '-'} | {' '.join(r.offload) or '-'}{drain} | "
-                         f"{' '.join(r.load) or '-'} | {' '.join(r.prefetch) or '-'}{flag}")
+                         f"{' '.join(resident) or '-'} | {' '.join(r.offload) or '-'}{drain} | "
+                         f"{' '.join(r.load) or '-'} | {' '.join(prefetch) or '-'}{flag}")
         lines.append(f"{'max':<11}{gib(self.peak_bytes)}{gib(self.naive_peak_bytes)}")
         return "\n".join(lines)
 
@@ -285,154 +249,16 @@ def _validate(groups: list[TensorGroup], phases: list[str]) -> None:
         unknown = sorted(g.needed_in - set(phases))
         if unknown:
             raise ValueError(f"group {g.name!r} is needed in unknown phase(s) {unknown}; phases: {phases}")
-
-
-# ---- copy engines ---------------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class StorageMove:
-    """One device storage and its host buffer (uint8, the storage's bytes)."""
-
-    tensor: Tensor  # any tensor on the storage; kept alive so its storage can be resized in place
-    host: Tensor
-    nbytes: int
-
-    def device_bytes(self) -> Tensor:
-        return torch.empty(0, dtype=torch.uint8, device=self.tensor.device).set_(self.tensor.untyped_storage())
-
-    def free(self) -> None:
-        self.tensor.untyped_storage().resize_(0)
-
-    def allocate(self) -> None:
-        self.tensor.untyped_storage().resize_(self.nbytes)
-
-
-class Ticket(Protocol):
-    def wait(self) -> None:
-        """After this, work issued on the current stream sees the copy done."""
-
-    def synchronize(self) -> None:
-        """After this, the copy is done (host-side)."""
-
-
-class CopyEngine(Protocol):
-    moves_data: bool
-    pin_memory: bool
-
-    def offload(self, moves: list[StorageMove]) -> Ticket:
-        """Copy each storage to its host buffer, then free the storage."""
-
-    def prefetch(self, moves: list[StorageMove]) -> Ticket:
-        """Allocate each storage again and copy its host buffer back."""
-
-
-class DoneTicket:
-    def wait(self) -> None:
-        pass
-
-    synchronize = wait
-
-
-class NoCopyEngine:
-    """Device is host (CPU): nothing moves; the manager's bookkeeping runs unchanged."""
-
-    moves_data = False
-    pin_memory = False
-
-    def offload(self, moves):
-        return DoneTicket()
-
-    def prefetch(self, moves):
-        return DoneTicket()
-
-
-class FutureTicket:
-    def __init__(self, future: Future):
-        self.future = future
-
-    def wait(self) -> None:
-        self.future.result()
-
-    synchronize = wait
-
-
-def _copy(dst: Tensor, src: Tensor) -> None:
-    dst.copy_(src)
-
-
-class ThreadCopyEngine:
-    """Real copies and frees on one worker thread, in submission order like a copy stream. `copy_fn(dst, src)` is
-    injectable: tests slow it down or gate it to show that nothing is used before its prefetch completes."""
-
-    moves_data = True
-    pin_memory = False
-
-    def __init__(self, copy_fn: Callable[[Tensor, Tensor], None] = _copy):
-        self.copy_fn = copy_fn
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-copy")
-
-    def _offload(self, moves: list[StorageMove]) -> None:
-        for m in moves:
-            self.copy_fn(m.host, m.device_bytes())
-            m.free()
-
-    def _prefetch(self, moves: list[StorageMove]) -> None:
-        for m in moves:
-            m.allocate()
-            self.copy_fn(m.device_bytes(), m.host)
-
-    def offload(self, moves):
-        return FutureTicket(self.worker.submit(self._offload, moves))
-
-    def prefetch(self, moves):
-        return FutureTicket(self.worker.submit(self._prefetch, moves))
-
-
-class CudaTicket:
-    def __init__(self, event: torch.cuda.Event, device: torch.device):
-        self.event, self.device = event, device
-
-    def wait(self) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.event)
-
-    def synchronize(self) -> None:
-        self.event.synchronize()
-
-
-class CudaStreamCopyEngine:
-    """Copies on a side stream with pinned host buffers; consumers wait on an event, the host never blocks."""
-
-    moves_data = True
-    pin_memory = True
-
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(device=self.device)
-
-    def offload(self, moves):
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer's writes land first
-        with torch.cuda.stream(self.stream):
-            for m in moves:
-                view = m.device_bytes()
-                m.host.copy_(view, non_blocking=True)
-                view.record_stream(self.stream)  # the allocator must not hand the block out before the copy read it
-                m.free()
-            return CudaTicket(self.stream.record_event(), self.device)
-
-    def prefetch(self, moves):
-        for m in moves:  # allocated on the compute stream, which owns the blocks from then on
-            m.allocate()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # reused blocks may still be read there
-        with torch.cuda.stream(self.stream):
-            for m in moves:
-                m.device_bytes().copy_(m.host, non_blocking=True)
-            return CudaTicket(self.stream.record_event(), self.device)
-
-
-def default_copy_engine(device: torch.device) -> CopyEngine:
-    return CudaStreamCopyEngine(device) if torch.device(device).type == "cuda" else NoCopyEngine()
+    for p in phases:  # streamed groups of one phase are walked in lockstep: chunk i of each together
+        counts = {g.name: len(g.planned_chunk_bytes()) for g in groups if g.streamed and p in g.needed_in}
+        if len(set(counts.values())) > 1:
+            raise ValueError(f"streamed groups of phase {p!r} have different chunk counts: {counts}")
 
 
 # ---- the manager ----------------------------------------------------------------------------------------------
+Unit = tuple  # (group name, chunk index or None): what one copy moves
+
+
 @dataclass
 class PhaseRecord:
     phase: str
@@ -444,10 +270,13 @@ class PhaseRecord:
     loaded: list[str] = field(default_factory=list)
     prefetched: list[str] = field(default_factory=list)
     wait_s: float = 0.0                 # host time `enter` blocked (late loads, drains, slow prefetches)
+    chunks_streamed: int = 0            # chunks `stream()` walked in this phase
+    stream_wait_s: float = 0.0          # host time `stream()` blocked (room for the next chunk, host-side waits)
 
 
 class MemoryManager:
-    """Executes a `MemoryPlan`: `enter(phase)` at the start of each phase, `close()` after the last one.
+    """Executes a `MemoryPlan`: `enter(phase)` at the start of each phase, `close()` after the last one; a phase
+    with streamed groups walks them with `for i in manager.stream(): ...`.
 
     Decisions follow the actual state, not an assumed order: a skipped phase only means some prefetches are waited
     on later or copied out again. Groups start on the device (where models and optimizers are built).
@@ -464,15 +293,23 @@ class MemoryManager:
         for g in groups:
             if g.kind == "offload" and g.tensors is None:
                 raise ValueError(f"group {g.name!r}: an offload group needs `tensors` to be managed (plan-only?)")
+            if g.streamed and g.chunks is None:
+                raise ValueError(f"group {g.name!r}: a streamed group needs `chunks` to be managed (plan-only?)")
             if g.kind == "release" and (g.release is None or g.reserve is None):
                 raise ValueError(f"group {g.name!r}: a release group needs release() and reserve()")
         self.engine = engine if engine is not None else default_copy_engine(self.device)
-        self.on_device = {g.name: g.kind != "host" for g in groups}  # on device, or on its way there
+        self.size = {g.name: g.nbytes for g in plan.groups}
+        self.chunk_size = {g.name: g.chunk_nbytes for g in plan.groups if g.chunk_nbytes is not None}
+        self.on_device = {g.name: g.kind != "host" for g in groups if not g.streamed}  # or on its way there
+        self.chunk_on_device = {n: [True] * len(sizes) for n, sizes in self.chunk_size.items()}
         self.records: list[PhaseRecord] = []
         self._buffers: dict[int, StorageMove] = {}  # id(tensor) -> its host buffer, allocated once
-        self._moved: dict[str, list[StorageMove]] = {}
-        self._prefetching: dict[str, Ticket] = {}
-        self._offloading: dict[str, Ticket] = {}
+        self._arenas: dict[str, HostArena] = {}     # one host allocation per group
+        self._moved: dict[Unit, list[StorageMove]] = {}
+        self._prefetching: dict[Unit, Ticket] = {}
+        self._offloading: dict[Unit, Ticket] = {}   # in issue order
+        self._host_valid: set[Unit] = set()         # frozen units whose host copy is current
+        self._tail_bytes = 0                        # the last stream's chunks still being copied out
         self._current: PhaseRecord | None = None
         self._check_disjoint()
 
@@ -489,39 +326,118 @@ class MemoryManager:
                 self.on_device[name] = False
                 record.offloaded.append(name)
         outgoing = [n for n, g in self.groups.items()
-                    if g.kind == "offload" and self.on_device[n] and n not in resident]
+                    if g.kind == "offload" and not g.streamed and self.on_device[n] and n not in resident]
         for name in outgoing:
-            self._offload(name)
+            self._offload((name, None))
         record.offloaded += outgoing
+        for name, on in self.chunk_on_device.items():  # streamed groups outside their phase (or its prefetch)
+            keep = len(on) if name in needed else row.prefetch_chunks.get(name, 0)
+            leaving = [i for i in range(keep, len(on)) if on[i]]
+            for i in leaving:
+                self._offload((name, i))
+            if leaving:
+                record.offloaded.append(name)
+        tail = self._tail_bytes
+        self._tail_bytes = 0
         if row.drain:
-            for name in outgoing:
-                self._offloading[name].synchronize()
+            for ticket in self._offloading.values():
+                ticket.synchronize()
+            self._offloading.clear()
         for name in row.needed:
             g = self.groups[name]
+            if g.streamed:
+                continue  # walked by stream()
             if g.kind == "offload" and not self.on_device[name]:
-                self._prefetch(name)
+                self._prefetch((name, None))
                 record.loaded.append(name)
-            if name in self._prefetching:
-                self._prefetching.pop(name).wait()
+            if (name, None) in self._prefetching:
+                self._prefetching.pop((name, None)).wait()
             if g.kind == "release" and not self.on_device[name]:
                 g.reserve()
                 self.on_device[name] = True
                 record.loaded.append(name)
         for name in row.prefetch:
             if not self.on_device[name]:
-                self._prefetch(name)
+                self._prefetch((name, None))
+                record.prefetched.append(name)
+        for name, k in row.prefetch_chunks.items():
+            coming = [i for i in range(k) if not self.chunk_on_device[name][i]]
+            for i in coming:
+                self._prefetch((name, i))
+            if coming:
                 record.prefetched.append(name)
         record.wait_s = time.perf_counter() - start
-        size = {g.name: g.nbytes for g in self.plan.groups}.__getitem__
+        in_flight = sum(self.size[n] for n in outgoing if not self.groups[n].frozen) + tail
         record.tracked_bytes = (
-            sum(size(n) for n, g in self.groups.items() if g.kind in ("offload", "release") and self.on_device[n])
-            + sum(size(n) for n in row.needed if self.groups[n].kind == "transient")
-            + (0 if row.drain else sum(size(n) for n in outgoing)))
+            sum(self.size[n] for n, g in self.groups.items()
+                if g.kind in ("offload", "release") and not g.streamed and self.on_device[n])
+            + sum(b for n, on in self.chunk_on_device.items() for b, o in zip(self.chunk_size[n], on) if o)
+            + sum(self.size[n] for n in row.needed if self.groups[n].kind == "transient")
+            + (0 if row.drain else in_flight))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._current = record
         self.records.append(record)
         return record
+
+    def stream(self, num_chunks: int | None = None) -> Iterator[int]:
+        """Walk the current phase's streamed groups: yields chunk indices in order; when it yields i, chunk i of
+        every streamed group is on the device (its copy waited on) and after the loop body it is copied out.
+
+        Chunks i+1 .. i+window-2 are prefetched ahead; a prefetch that would take the chunks on the device (in
+        use, coming in, or still going out) past the plan's `stream_window_bytes` first waits, host-side, for the
+        oldest copies out (their blocks return to the allocator only then). `num_chunks` checks the caller's count.
+        """
+        record = self._current
+        if record is None:
+            raise RuntimeError("stream() runs inside a phase: call enter(phase) first")
+        row = self.plan.phase(record.phase)
+        names = row.streamed
+        if not names:
+            raise ValueError(f"phase {record.phase!r} streams no group; the plan streams "
+                             f"{[r.phase for r in self.plan.phases if r.streamed]}")
+        n = len(self.chunk_size[names[0]])
+        if num_chunks is not None and num_chunks != n:
+            raise ValueError(f"the caller walks {num_chunks} chunks, the plan's streamed groups have {n}")
+        size = [sum(self.chunk_size[name][i] for name in names) for i in range(n)]
+        on = lambda i: all(self.chunk_on_device[name][i] for name in names)
+        live = {i: size[i] for i in range(n) if on(i)}  # bytes on the device per chunk (or still going out)
+        going_out: deque[int] = deque()
+        static = record.tracked_bytes - sum(live.values())
+        peak = record.tracked_bytes
+        lookahead = max(1, self.plan.stream_window - 2)
+
+        def make_room(need: int) -> None:
+            while going_out and sum(live.values()) + need > row.stream_window_bytes:
+                oldest = going_out.popleft()
+                for name in names:
+                    ticket = self._offloading.pop((name, oldest), None)
+                    if ticket is not None:
+                        ticket.synchronize()
+                live.pop(oldest)
+
+        for i in range(n):
+            t0 = time.perf_counter()
+            for j in range(i, min(n, i + lookahead + 1)):
+                if not on(j):
+                    make_room(size[j])
+                    for name in names:
+                        if not self.chunk_on_device[name][j]:
+                            self._prefetch((name, j))
+                    live[j] = size[j]
+                    peak = max(peak, static + sum(live.values()))
+            for name in names:
+                ticket = self._prefetching.pop((name, i), None)
+                if ticket is not None:
+                    ticket.wait()
+            record.stream_wait_s += time.perf_counter() - t0
+            yield i
+            for name in names:
+                self._offload((name, i))
+            going_out.append(i)
+            record.chunks_streamed += 1
+        record.tracked_bytes = peak
+        self._tail_bytes = sum(live.values())
 
     def close(self) -> None:
         """End the current phase's measurement (called by `enter`; call it after the step's last phase)."""
@@ -537,10 +453,27 @@ class MemoryManager:
                 ticket.synchronize()
         self._offloading.clear()
 
+    def reserve_host(self) -> float:
+        """Allocate now the host buffers of every group the plan moves (pinned on CUDA; slow for tens of GiB),
+        instead of at their first copy out. Returns the seconds it took."""
+        start = time.perf_counter()
+        moved = {n for r in self.plan.phases for n in r.offload + r.streamed}
+        for name in moved:
+            if self.groups[name].kind == "offload" and self.engine.moves_data:
+                self._arena(name)
+        return time.perf_counter() - start
+
     # ---- moves ----
-    def _storages(self, name: str) -> list[StorageMove]:
+    def _arena(self, name: str) -> HostArena:
+        if name not in self._arenas:
+            self._arenas[name] = HostArena(self.size[name] + ARENA_SLACK_BYTES, self.engine.pin_memory)
+        return self._arenas[name]
+
+    def _storages(self, unit: Unit) -> list[StorageMove]:
+        name, chunk = unit
+        g = self.groups[name]
         moves, seen = [], set()
-        for t in plain_tensors(self.groups[name].tensors()):
+        for t in plain_tensors(g.tensors() if chunk is None else g.chunks()[chunk]):
             if t.device != self.device:
                 continue  # already on the host (e.g. a CPU step counter)
             storage = t.untyped_storage()
@@ -549,23 +482,42 @@ class MemoryManager:
             seen.add(storage.data_ptr())
             move = self._buffers.get(id(t))
             if move is None or move.nbytes != storage.nbytes():
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self.engine.pin_memory)
+                host = self._arena(name).take(storage.nbytes())
+                if host is None:  # more than planned: a buffer of its own
+                    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self.engine.pin_memory)
                 move = self._buffers[id(t)] = StorageMove(t, host, storage.nbytes())
             moves.append(move)
         return moves
 
-    def _offload(self, name: str) -> None:
-        pending = self._prefetching.pop(name, None)
+    def _set_on_device(self, unit: Unit, value: bool) -> None:
+        name, chunk = unit
+        if chunk is None:
+            self.on_device[name] = value
+        else:
+            self.chunk_on_device[name][chunk] = value
+
+    def _offload(self, unit: Unit) -> None:
+        pending = self._prefetching.pop(unit, None)
         if pending is not None:  # prefetched for a phase that was skipped: storages must exist before we list them
             pending.synchronize()
-        self._moved[name] = self._storages(name) if self.engine.moves_data else []
-        self._offloading[name] = self.engine.offload(self._moved[name])
-        self.on_device[name] = False
+        moves = self._storages(unit) if self.engine.moves_data else []
+        self._moved[unit] = moves
+        if self.groups[unit[0]].frozen and unit in self._host_valid:
+            for m in moves:  # the host copy is still current: only free (ordered after the last reader's stream)
+                m.free()
+        else:
+            ticket = self.engine.offload(moves)
+            if self.groups[unit[0]].frozen:  # first copy out: drained, so no plan ever counts it in flight
+                ticket.synchronize()
+                self._host_valid.add(unit)
+            else:
+                self._offloading[unit] = ticket
+        self._set_on_device(unit, False)
 
-    def _prefetch(self, name: str) -> None:
-        self._offloading.pop(name, None)
-        self._prefetching[name] = self.engine.prefetch(self._moved.pop(name, []))
-        self.on_device[name] = True
+    def _prefetch(self, unit: Unit) -> None:
+        self._offloading.pop(unit, None)
+        self._prefetching[unit] = self.engine.prefetch(self._moved.pop(unit, []))
+        self._set_on_device(unit, True)
 
     def _check_disjoint(self) -> None:
         """Two groups sharing a storage would free each other's data: refuse, naming both."""
@@ -581,11 +533,13 @@ class MemoryManager:
 
     # ---- reporting ----
     def report(self) -> str:
-        mib = lambda b: "-" if b is None else f"{b / GiB:.2f}"
-        lines = [f"{'phase':<11}{'plan GiB':>10}{'tracked':>10}{'measured':>10}{'reserved':>10}{'wait ms':>10}"]
+        gib = lambda b: "-" if b is None else f"{b / GiB:.2f}"
+        lines = [f"{'phase':<11}{'plan GiB':>10}{'tracked':>10}{'measured':>10}{'reserved':>10}{'wait ms':>10}"
+                 f"{'stream ms':>10}"]
         for r in self.records:
-            lines.append(f"{r.phase:<11}{mib(r.planned_peak_bytes):>10}{mib(r.tracked_bytes):>10}"
-                         f"{mib(r.measured_peak_bytes):>10}{mib(r.measured_reserved_bytes):>10}{r.wait_s * 1e3:>10.1f}")
+            lines.append(f"{r.phase:<11}{gib(r.planned_peak_bytes):>10}{gib(r.tracked_bytes):>10}"
+                         f"{gib(r.measured_peak_bytes):>10}{gib(r.measured_reserved_bytes):>10}{r.wait_s * 1e3:>10.1f}"
+                         f"{r.stream_wait_s * 1e3:>10.1f}")
         return "\n".join(lines)
 
     def save(self, path: str | Path) -> Path:

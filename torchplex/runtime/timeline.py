@@ -23,21 +23,22 @@ class Span:
 class Timeline:
     spans: list[Span] = field(default_factory=list)
     origin: float = field(default_factory=time.perf_counter)
-    sync_cuda: bool = False  # synchronise around spans so GPU work is charged to the span that launched it
+    sync_cuda: bool = False  # synchronise the launching stream around spans: its GPU work is charged to the span
 
     @contextmanager
     def span(self, name: str, lane: str = "main", sync: bool = True):
         """sync=False for work launched beside another lane (decode-window slices): synchronising there would
         serialise the two lanes; such a span then records host launch time only."""
         sync = sync and self.sync_cuda
+        # The current stream only: copies the memory manager runs on its own streams keep going across phases.
         if sync:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
             if sync:
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
             self.spans.append(Span(name, lane, start - self.origin, time.perf_counter() - self.origin))
 
     def total_s(self, name: str) -> float:
