@@ -26,6 +26,9 @@ from .kv_pool import DECODE_KERNELS, GroupedDecodeAttention, GroupKVPool, PoolTo
 from .sampling import SamplingParams, sample
 
 
+PROMPT_BUCKET = 256  # the pool's prompt capacity grows in steps of this many tokens
+
+
 @dataclass
 class SampleOutput:
     prompt_index: int
@@ -100,6 +103,10 @@ class RolloutEngine:
         self.compile_decode = self.device.type == "cuda" if compile_decode is None else compile_decode
         self.use_graphs = self.compile_decode and self.device.type == "cuda"
         self.use_compile = self.compile_decode and not hasattr(model, "unshard")
+        if self.use_compile:
+            # One compilation per pool geometry x sampling params, all of one code object: past dynamo's default
+            # limit of 8 the step would run eager, which cannot be captured with the flex kernels.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # The flex kernels only pay compiled on CUDA (inductor's CPU flex has no log-sum-exp output); elsewhere
         # "matmul" is the faster of the two.
         self.decode_kernel = decode_kernel or ("flex" if self.use_compile and self.device.type == "cuda" else "matmul")
@@ -120,7 +127,7 @@ class RolloutEngine:
     def _pool_for(self, n: int, max_prompt: int, max_new: int, num_prompts: int) -> GroupKVPool:
         t = self.model.args.text
         dtype = self.kv_dtype or next(self.model.parameters()).dtype
-        max_prompt = -(-max_prompt // 64) * 64  # stable shapes across calls
+        max_prompt = -(-max_prompt // PROMPT_BUCKET) * PROMPT_BUCKET  # few pool shapes: few compilations
         pool = self.pool
         if (pool is None or pool.n != n or pool.max_prompt < max_prompt or pool.max_new != max_new
                 or pool.dtype != dtype):
