@@ -4,6 +4,7 @@
         --out outputs/memory_bench_7b.json                                                         # one H200
     OMP_NUM_THREADS=1 python benchmarks/memory_bench.py --geometry debug --prompts 2 --group 4 \
         --prompt-tokens 256 --response 16 --out /tmp/memory_bench_cpu.json                         # CPU
+    python benchmarks/memory_bench.py --geometry 7B --plan-only        # the plan only, models on the meta device
 
 Qwen2.5-VL geometry with random bf16 weights (built on meta, `to_empty`, `init_weights`): an actor with activation
 checkpointing and a frozen reference, G samples per image-heavy prompt (`step_bench.make_prompt`). Whole steps run
@@ -11,15 +12,17 @@ through the executor (`StepRunner`, decomposed mode): real rollout (`RolloutEngi
 training, and the optimizer phase of `MasterWeights` (bf16 module weights and gradients, fp32 master weights and
 fp32 AdamW), whose AdamW state is streamed through the device chunk by chunk.
 
-Groups: actor weights and fp32 master weights stay on the device (the decode graph keeps the actor's addresses);
-the reference weights (frozen: copied out once, then only freed) come in for "ref"; the AdamW state lives in
-pinned host memory and is streamed in "optimizer", its first chunks prefetched during "train" as far as
---budget-gib allows. Gradients, KV pool, workspaces and activations are transient estimates for the plan.
+Groups: actor weights and fp32 master weights stay on the device (the decode graph keeps the actor's addresses); the
+reference weights (frozen: copied out once, then only freed) come in for "ref"; the AdamW state lives in pinned host
+memory and is streamed in "optimizer", its first chunks prefetched during "train" as far as --budget-gib allows; the
+plan keeps the leading chunks every phase has room for resident on the device (never copied; --max-resident-chunks 0
+turns that off). Gradients, KV pool, workspaces and activations are transient estimates for the plan.
 
 Reported: the plan (computed naive peak, planned peak per phase), the measured `max_memory_allocated` /
 `max_memory_reserved` per phase of the last managed step next to it, and the step time managed vs the same step
 with `NoTransferCopyEngine` (frees and zero-filled re-allocations, no host copies): their difference is what the
-transfers add. Host-blocked time of the manager (entries + streams) is reported too.
+transfers add. Host-blocked time of the manager (entries + streams) is reported too, and the bytes copied per step
+(host -> device and back) as planned and as the manager moved them.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from step_bench import NullTokenizer, build, make_prompt, sync  # noqa: E402
 
 from torchplex.components.master_weights import MasterWeights  # noqa: E402
 from torchplex.models.qwen2_5_vl.args import get_flavor  # noqa: E402
+from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing  # noqa: E402
 from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
@@ -85,6 +89,17 @@ def transient_estimates(args, a, prompt_tokens: int, vision_trainable: bool,
             "train_activations": ("train", train["total"])}
 
 
+def plan_summary(plan: MemoryPlan) -> dict:
+    """The plan's streamed-state numbers: resident chunks, bytes copied per step, exposed bytes (GiB)."""
+    state = next(g for g in plan.groups if g.name == "optimizer_state")
+    return {"resident_chunks": state.resident_chunks, "state_chunks": len(state.chunk_nbytes),
+            "resident_gib": state.resident_bytes / GiB, "copy_in_gib": plan.copy_in_bytes / GiB,
+            "copy_out_gib": plan.copy_out_bytes / GiB,
+            "exposed_gib": sum(r.exposed_bytes for r in plan.phases) / GiB,
+            "train_prefetch_chunks": plan.phase("train").prefetch_chunks.get("optimizer_state", 0),
+            "peak_gib": {r.phase: r.peak_bytes / GiB for r in plan.phases}}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--geometry", default="7B", help="a flavor of torchplex.models.qwen2_5_vl.args (debug on CPU)")
@@ -99,6 +114,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-gib", type=float, default=116.0, help="device budget the plan keeps under")
     p.add_argument("--chunk-gib", type=float, default=2.0, help="AdamW state per streamed chunk")
     p.add_argument("--stream-window", type=int, default=3, help="chunks of state on the device in steady state")
+    p.add_argument("--max-resident-chunks", type=int, default=-1,
+                   help="state chunks the plan may keep on the device throughout (-1: as many as fit, 0: none)")
+    p.add_argument("--plan-only", action="store_true", help="build the models on the meta device, print the plan, "
+                   "write it to --out and stop (no device needed)")
     p.add_argument("--copy-engine", default="auto", choices=("auto", "thread", "none"),
                    help="auto: CUDA copy streams on GPU, a copy thread on CPU; none: no transfers at all")
     p.add_argument("--eager-decode", action="store_true", help="no torch.compile / CUDA graph for decode")
@@ -121,12 +140,18 @@ def main(argv=None) -> dict:
                                    vision_end_token_id=2003)
     dtype = torch.bfloat16
     t0 = time.perf_counter()
-    actor = build(args, dtype, device, 0)
-    reference = build(args, dtype, device, 1).eval().requires_grad_(False)
+    if a.plan_only:  # sizes only: nothing is allocated (AdamW unfused on meta: no 4-byte step counters per tensor)
+        device = torch.device("meta")
+        with device:
+            actor, reference = Qwen2_5_VLModel(args).to(dtype), Qwen2_5_VLModel(args).to(dtype)
+        reference.eval().requires_grad_(False)
+    else:
+        actor = build(args, dtype, device, 0)
+        reference = build(args, dtype, device, 1).eval().requires_grad_(False)
     if a.freeze_vision:
         actor.visual.requires_grad_(False)
         reference.visual = actor.visual
-    if a.activation_checkpointing:
+    if a.activation_checkpointing and not a.plan_only:
         apply_activation_checkpointing(actor)
     master = MasterWeights(actor.parameters(), chunk_bytes=int(a.chunk_gib * GiB), lr=a.lr)
     prompts = [make_prompt(args, a.prompt_tokens, seed=i) for i in range(a.prompts)]
@@ -134,8 +159,9 @@ def main(argv=None) -> dict:
     image_tokens = max(int((p.input_ids == args.image_token_id).sum()) for p in prompts)
     estimates = transient_estimates(args, a, prompt_tokens, any(p.requires_grad for p in actor.visual.parameters()),
                                     image_tokens)
-    engine = RolloutEngine(actor, kv_pool_bytes=estimates["kv_pool"][1] + 2**26, max_batch=a.max_batch,
-                           compile_decode=device.type == "cuda" and not a.eager_decode)
+    if not a.plan_only:
+        engine = RolloutEngine(actor, kv_pool_bytes=estimates["kv_pool"][1] + 2**26, max_batch=a.max_batch,
+                               compile_decode=device.type == "cuda" and not a.eager_decode)
     log(f"built {a.geometry} actor + reference + fp32 master ({len(master.chunks)} state chunks) on {device} "
         f"in {time.perf_counter() - t0:.1f}s")
 
@@ -148,8 +174,23 @@ def main(argv=None) -> dict:
                           nbytes=master.workspace_bytes())]
     groups += [TensorGroup(name, frozenset({phase}), "transient", nbytes=b) for name, (phase, b) in estimates.items()]
     budget = int(a.budget_gib * GiB)
-    plan = MemoryPlan.build(groups, PHASES, budget_bytes=budget, stream_window=a.stream_window)
+    plan = MemoryPlan.build(groups, PHASES, budget_bytes=budget, stream_window=a.stream_window,
+                            max_resident_chunks=None if a.max_resident_chunks < 0 else a.max_resident_chunks)
     print(plan, flush=True)
+    planned = plan_summary(plan)
+    log(f"plan: {planned['resident_chunks']} of {planned['state_chunks']} state chunks resident "
+        f"({planned['resident_gib']:.2f} GiB); copied per step {planned['copy_in_gib']:.2f} GiB in, "
+        f"{planned['copy_out_gib']:.2f} GiB out; exposed {planned['exposed_gib']:.2f} GiB")
+    if a.plan_only:
+        result = {"info": {"prompt_tokens": prompt_tokens, "image_tokens": image_tokens, **vars(a)},
+                  "naive_peak_gib": plan.naive_peak_bytes / GiB, "plan_peak_gib": plan.peak_bytes / GiB,
+                  "planned": planned, "plan": plan.to_dict(), "plan_table": str(plan)}
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(result, indent=2))
+            log(f"wrote {a.out}")
+        faulthandler.cancel_dump_traceback_later()
+        return result
     copy_engine = {"auto": default_copy_engine(device) if device.type == "cuda" else ThreadCopyEngine(),
                    "thread": ThreadCopyEngine(), "none": NoTransferCopyEngine()}[a.copy_engine]
     manager = MemoryManager(plan, groups, device, engine=copy_engine)
@@ -199,6 +240,8 @@ def main(argv=None) -> dict:
             phases["optimizer"] = optimizer_s[-1]
             rows.append({"phase_s": phases, "records": records,
                          "host_blocked_s": sum(r.wait_s + r.stream_wait_s for r in records),
+                         "copy_in_gib": sum(r.copy_in_bytes for r in records) / GiB,
+                         "copy_out_gib": sum(r.copy_out_bytes for r in records) / GiB,
                          "tokens": int(out.experience.lengths.sum())})
         return rows
 
@@ -228,14 +271,16 @@ def main(argv=None) -> dict:
             # naive colocation with this phase's measured transients in place of the plan's estimates
             "naive_measured_gib": None if measured is None else gib(row.naive_bytes + measured - rec.tracked_bytes),
             "enter_wait_ms": rec.wait_s * 1e3, "stream_wait_ms": rec.stream_wait_s * 1e3,
-            "chunks_streamed": rec.chunks_streamed})
+            "chunks_streamed": rec.chunks_streamed, "copy_in_gib": gib(rec.copy_in_bytes),
+            "copy_out_gib": gib(rec.copy_out_bytes), "plan_copy_in_gib": gib(row.copy_in_bytes),
+            "plan_copy_out_gib": gib(row.copy_out_bytes)})
     print(f"\n{'phase':<11}{'plan':>8}{'naive':>8}{'tracked':>9}{'alloc':>8}{'reserved':>9}{'wait ms':>9}"
-          f"{'stream ms':>10}")
+          f"{'stream ms':>10}{'in GiB':>8}{'out GiB':>8}")
     fmt = lambda x: "-" if x is None else f"{x:.2f}"
     for r in per_phase:
         print(f"{r['phase']:<11}{fmt(r['plan_gib']):>8}{fmt(r['naive_plan_gib']):>8}{fmt(r['tracked_gib']):>9}"
               f"{fmt(r['allocated_gib']):>8}{fmt(r['reserved_gib']):>9}{r['enter_wait_ms']:>9.1f}"
-              f"{r['stream_wait_ms']:>10.1f}")
+              f"{r['stream_wait_ms']:>10.1f}{fmt(r['copy_in_gib']):>8}{fmt(r['copy_out_gib']):>8}")
     med = lambda rows, key: statistics.median(r[key] for r in rows)
     step_managed, step_baseline = med(managed, "step_s"), med(baseline, "step_s")
     measured_alloc = [r["allocated_gib"] for r in per_phase if r["allocated_gib"] is not None]
@@ -259,12 +304,18 @@ def main(argv=None) -> dict:
         # what the host transfers add to the step: managed vs the same step without copies
         "transfer_overhead_fraction": (step_managed - step_baseline) / step_baseline,
         "host_blocked_s": med(managed, "host_blocked_s"),
+        # the plan's resident chunks and bytes copied per step, and what the manager moved in the last managed step
+        "planned": planned,
+        "copied_per_step_gib": {"plan_in": planned["copy_in_gib"], "plan_out": planned["copy_out_gib"],
+                                "measured_in": managed[-1]["copy_in_gib"], "measured_out": managed[-1]["copy_out_gib"]},
         "phase_s": {"managed": managed[-1]["phase_s"], "no_transfer": baseline[-1]["phase_s"]},
         "plan": plan.to_dict(), "plan_table": str(plan),
     }
     log(f"naive {result['naive_peak_gib']:.1f} GiB (computed), plan {result['plan_peak_gib']:.1f} GiB, measured "
         f"allocated {fmt(result['measured_peak_allocated_gib'])} GiB; step {step_managed:.2f}s managed vs "
-        f"{step_baseline:.2f}s without transfers ({100 * result['transfer_overhead_fraction']:+.1f}%)")
+        f"{step_baseline:.2f}s without transfers ({100 * result['transfer_overhead_fraction']:+.1f}%); copied "
+        f"{managed[-1]['copy_in_gib']:.2f} GiB in, {managed[-1]['copy_out_gib']:.2f} GiB out per step "
+        f"({planned['resident_chunks']} of {planned['state_chunks']} state chunks resident)")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=2))

@@ -69,7 +69,7 @@ def decoder_param_bytes(t, dtype_bytes: int = 2) -> int:
 
 def train_activation_bytes(args: ModelArgs, *, prompt_tokens: int, group: int, response: int, micro_batch: int,
                            checkpointing: bool, vision_trainable: bool, image_tokens: int | None = None,
-                           logits_chunk: int = LOGITS_CHUNK) -> dict[str, int]:
+                           logits_chunk: int = LOGITS_CHUNK, pending_suffix_grads: bool = False) -> dict[str, int]:
     """What the actor-training phase allocates beyond weights and the accumulated gradients, per micro-batch of
     whole groups under decomposed scoring (one prefix with autograd, G suffixes on it), bf16 weights.
 
@@ -80,10 +80,14 @@ def train_activation_bytes(args: ModelArgs, *, prompt_tokens: int, group: int, r
     entropy     the forward's no-grad entropy of one LM-head chunk: bf16 logits + four fp32 [chunk x V] tensors
     lm_head     the LM head's backward (`logprobs_from_hidden`): an fp32 [V x D] weight-gradient accumulator, a
                 bf16 [V x D] partial product and one chunk's fp32 logits / softmax / gradient
-    pending     the end of the suffix backward: every parameter both the prefix and the suffixes use (decoder
-                layers, token embeddings) already has its suffix gradient, which autograd holds in the
-                parameter's input buffer until the prefix backward adds the prefix's part (a whole bf16 copy
-                of those gradients), plus one layer's recompute
+    backward    the start of the prefix backward: one layer's recompute, the gradients of the prefix K/V that the
+                suffix backward left on the detached prefix leaves, and one weight's gradient before it is added
+                to .grad (the runtime backpropagates the suffixes first, accumulating every weight's suffix part
+                into .grad at once, then the prefix: `DecomposedScorer.backward`)
+    pending_suffix_grads: the runtime before that split (one backward through prefix and suffixes, measured on
+                the H200 on 2026-11-29): every parameter both parts use (decoder layers, token embeddings) waits
+                with its suffix gradient in its AccumulateGrad input buffer until the prefix part arrives, so the
+                backward moment also holds a whole bf16 copy of those gradients and one weight's sum out of place.
     Measured on CPU by benchmarks/train_memory_probe.py (tests/test_memory_train_estimate.py).
     """
     t, v = args.text, args.vision
@@ -107,11 +111,13 @@ def train_activation_bytes(args: ModelArgs, *, prompt_tokens: int, group: int, r
     lm_head = 4 * vocab * h + max(2 * vocab * h + 6 * chunk * vocab, 14 * chunk * vocab)
     recompute = (max(prefix, suffix) * saved if checkpointing else 0) + (
         patches * vision_saved if vision_trainable and checkpointing else 0)
-    shared = decoder_param_bytes(t) + 2 * vocab * h  # decoder layers + token embeddings, bf16
-    # the prefix's part of a decoder weight's gradient and their sum (out of place) exist next to the pending part
-    pending = shared + recompute + 2 * 2 * h * t.intermediate_size
-    return {"held": held, "entropy": entropy, "lm_head": lm_head, "pending_grads": pending,
-            "total": held + max(entropy, lm_head, pending)}
+    kv_grads = prefix * t.num_layers * 4 * kv_dim  # bf16 K and V gradients of every prefix layer
+    weight_grad = 2 * h * t.intermediate_size  # the largest decoder weight's gradient, bf16
+    backward = recompute + kv_grads + weight_grad
+    if pending_suffix_grads:  # + every shared weight's pending suffix part, and one sum made out of place
+        backward += decoder_param_bytes(t) + 2 * vocab * h + weight_grad
+    return {"held": held, "entropy": entropy, "lm_head": lm_head, "backward": backward,
+            "total": held + max(entropy, lm_head, backward)}
 
 
 def param_counts(args: ModelArgs) -> tuple[list[int], list[int], int]:

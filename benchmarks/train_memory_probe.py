@@ -1,6 +1,8 @@
 """Peak bytes the actor-training phase allocates for itself, measured on CPU by counting live tensor storages.
 
     OMP_NUM_THREADS=1 python benchmarks/train_memory_probe.py --geometry probe --out /tmp/train_probe.json
+    OMP_NUM_THREADS=1 python benchmarks/train_memory_probe.py --geometry weight_heavy --group 4 --prompt-tokens 64 \
+        --response 16 --micro-batch 4
 
 `LiveBytes` is a TorchDispatchMode that adds the bytes of every storage an op creates (forward, backward,
 recompute, gradient accumulation: all of it goes through the dispatcher) and subtracts them when the storage dies
@@ -11,7 +13,10 @@ The run is the train phase of `benchmarks/memory_bench.py` at a small geometry: 
 checkpointing, decomposed scoring (one prefix with autograd per group, G suffixes), `train_phase` over several
 micro-batches, gradients accumulated in bf16; the window ends where the optimizer phase would begin (step()).
 Its measured peak, less parameters and the gradients the phase ends with, is compared with
-`memory_plan.train_activation_bytes` at the same sizes.
+`memory_plan.train_activation_bytes` at the same sizes. It is measured twice: with the runtime's split backward
+(suffix part, then prefix part: `DecomposedScorer.split_prefix_backward`) and with one backward through both, where
+every weight the prefix shares waits with its suffix gradient for the prefix part; the difference is close to
+one bf16 copy of those gradients (`shared_grad_bytes`) once a micro-batch finds .grad already there.
 """
 
 from __future__ import annotations
@@ -46,6 +51,15 @@ PROBE = ModelArgs(
     text=TextArgs(vocab_size=10752, hidden_size=256, intermediate_size=1344, num_layers=4, num_heads=4,
                   num_kv_heads=2, mrope_section=(8, 12, 12), max_position_embeddings=8192),
     image_token_id=2000, video_token_id=2001, vision_start_token_id=2002, vision_end_token_id=2003)
+
+# Wide layers, small vocab: the decoder weights' gradients outweigh the LM-head and entropy chunks.
+WEIGHT_HEAVY = ModelArgs(
+    vision=VisionArgs(depth=2, hidden_size=64, intermediate_size=160, num_heads=4, window_size=56,
+                      out_hidden_size=512, fullatt_block_indexes=(1,)),
+    text=TextArgs(vocab_size=4096, hidden_size=512, intermediate_size=2688, num_layers=8, num_heads=8,
+                  num_kv_heads=2, mrope_section=(8, 12, 12), max_position_embeddings=8192),
+    image_token_id=2000, video_token_id=2001, vision_start_token_id=2002, vision_end_token_id=2003)
+GEOMETRIES = {"probe": PROBE, "weight_heavy": WEIGHT_HEAVY}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -94,8 +108,14 @@ class _StopAtStep:
         self.peaks.append(self.live.peak)
 
 
+def shared_grad_bytes(t: TextArgs) -> int:
+    """bf16 gradients of the parameters the prefix and the suffixes both use: decoder layers, token embeddings."""
+    return memory_plan.decoder_param_bytes(t) + 2 * t.vocab_size * t.hidden_size
+
+
 def measure(args: ModelArgs, *, prompts: int, group: int, prompt_tokens: int, response: int, micro_batch: int,
-            dtype=torch.bfloat16, checkpointing: bool = True, seed: int = 0) -> dict:
+            dtype=torch.bfloat16, checkpointing: bool = True, seed: int = 0,
+            split_prefix_backward: bool = True) -> dict:
     """The train phase's own peak live bytes (above parameters; gradients counted separately) at this geometry."""
     torch.manual_seed(seed)
     actor = build(args, dtype, torch.device("cpu"), seed)
@@ -110,7 +130,7 @@ def measure(args: ModelArgs, *, prompts: int, group: int, prompt_tokens: int, re
     optimizer = _StopAtStep(params, live)
     with live:
         base = live.live
-        train_phase(actor, DecomposedScorer(), exp, optimizer, None, PolicyLossConfig(kl_coef=0.01),
+        train_phase(actor, DecomposedScorer(split_prefix_backward=split_prefix_backward), exp, optimizer, None, PolicyLossConfig(kl_coef=0.01),
                     temperature=1.0, micro_batch_size=micro_batch, whole_groups=True, ppo_epochs=1,
                     grad_clip=1.0, max_len=response)
     peak = optimizer.peaks[-1] - base
@@ -120,7 +140,8 @@ def measure(args: ModelArgs, *, prompts: int, group: int, prompt_tokens: int, re
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--geometry", default="probe", help="probe (7B proportions, small) or a flavor name")
+    p.add_argument("--geometry", default="probe",
+                   help="probe (7B proportions, small), weight_heavy (wide layers, small vocab) or a flavor name")
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=256)
@@ -133,20 +154,31 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    args = PROBE if a.geometry == "probe" else get_flavor(a.geometry)
+    args = GEOMETRIES[a.geometry] if a.geometry in GEOMETRIES else get_flavor(a.geometry)
     if a.geometry == "debug":
         args = dataclasses.replace(args, image_token_id=2000, video_token_id=2001, vision_start_token_id=2002,
                                    vision_end_token_id=2003)
-    got = measure(args, prompts=a.prompts, group=a.group, prompt_tokens=a.prompt_tokens, response=a.response,
-                  micro_batch=a.micro_batch)
-    est = memory_plan.train_activation_bytes(args, prompt_tokens=got["prompt_tokens"], group=a.group, response=a.response,
-                                 micro_batch=a.micro_batch, checkpointing=True, vision_trainable=True)
-    out = {"settings": vars(a), "measured": got, "estimate": est,
-           "ratio": est["total"] / got["activation_bytes"]}
+    sizes = dict(prompts=a.prompts, group=a.group, prompt_tokens=a.prompt_tokens, response=a.response,
+                 micro_batch=a.micro_batch)
+    got = measure(args, **sizes)
+    one_backward = measure(args, **sizes, split_prefix_backward=False)
+    plan = dict(prompt_tokens=got["prompt_tokens"], group=a.group, response=a.response, micro_batch=a.micro_batch,
+                checkpointing=True, vision_trainable=True)
+    est = memory_plan.train_activation_bytes(args, **plan)
+    est_one = memory_plan.train_activation_bytes(args, **plan, pending_suffix_grads=True)
+    shared = shared_grad_bytes(args.text)
+    out = {"settings": vars(a), "measured": got, "estimate": est, "ratio": est["total"] / got["activation_bytes"],
+           "one_backward": {"measured": one_backward, "estimate": est_one,
+                            "ratio": est_one["total"] / one_backward["activation_bytes"]},
+           "shared_grad_bytes": shared, "gain_bytes": one_backward["peak_bytes"] - got["peak_bytes"]}
     for k, v in est.items():
         print(f"  {k:<22}{v / 2**20:10.2f} MiB", flush=True)
     print(f"measured {got['activation_bytes'] / 2**20:.2f} MiB (+ grads {got['grads_bytes'] / 2**20:.2f} MiB), "
           f"estimate {est['total'] / 2**20:.2f} MiB, ratio {out['ratio']:.3f}", flush=True)
+    print(f"one backward through prefix and suffixes (before the split): measured "
+          f"{one_backward['activation_bytes'] / 2**20:.2f} MiB, estimate {est_one['total'] / 2**20:.2f} MiB; "
+          f"the split saves {out['gain_bytes'] / 2**20:.2f} MiB of a {shared / 2**20:.2f} MiB shared-gradient copy",
+          flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=2))
     return out

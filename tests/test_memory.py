@@ -152,6 +152,24 @@ def test_cpu_noop_manager_tracks_the_plan():
     assert all(r.measured_peak_bytes is None for r in manager.records)
 
 
+
+def test_bytes_copied_per_step_are_the_plans():
+    # budget 80 (see above): rollout copies master + adam out (60) and ref in (10); train copies ref out (10) and
+    # adam in (40); the optimizer loads master (20); freeing the KV pool copies nothing
+    groups, _ = grpo_groups(with_tensors=True)
+    plan = MemoryPlan.build(groups, PHASES, budget_bytes=80, max_resident_chunks=None)  # no streamed group: no-op
+    assert {r.phase: (r.copy_in_bytes, r.copy_out_bytes) for r in plan.phases} == {
+        "rollout": (10, 60), "ref": (0, 0), "train": (40, 10), "optimizer": (20, 0)}
+    assert (plan.copy_in_bytes, plan.copy_out_bytes) == (70, 70)
+    assert "in 0.00 GiB, out 0.00 GiB" in str(plan)
+    manager = MemoryManager(plan, groups, "cpu")
+    for cycle in range(2):
+        for phase in PHASES:
+            record = manager.enter(phase)
+            if cycle == 1:
+                row = plan.phase(phase)
+                assert (record.copy_in_bytes, record.copy_out_bytes) == (row.copy_in_bytes, row.copy_out_bytes)
+
 def test_a_drained_phase_starts_after_its_copies_out_and_data_survives_the_cycle():
     groups, state = grpo_groups(with_tensors=True)
     plan = MemoryPlan.build(groups, PHASES, budget_bytes=80)  # rollout drains master + adam (see above)

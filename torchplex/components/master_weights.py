@@ -9,11 +9,13 @@ The step runs over parameter chunks, in order: chunk i's bf16 gradients are wide
 master tensors (torch's AdamW skips tensors whose .grad is None, so one optimizer serves every chunk and an lr
 scheduler built on `.optimizer` sees one set of param groups), the module's bf16 parameters are overwritten with
 the rounded result and the bf16 gradients are freed. Elementwise, this is the same update as one AdamW step over
-all master tensors (tests/test_master_weights.py holds it bitwise).
+all master tensors (tests/test_memory_streamed.py holds it bitwise).
 
 With a `MemoryManager` whose plan streams the state (`state_group(streamed=True)` in the "optimizer" phase),
 `step()` enters that phase and walks the chunks with `manager.stream()`: chunk i+1's state comes in while chunk i
 updates and chunk i's state goes out after, so the phase holds about `stream_window` chunks of state, not all of it.
+The first chunks the plan keeps resident (`MemoryPlan.build(max_resident_chunks=...)`) never move: they step first,
+without waiting, while the first chunks that do move come in.
 
 Wiring into the trainer (torchplex/train.py is not changed here): build `MasterWeights(actor.parameters(), ...)`
 in place of `build_optimizer(...)`, pass it as the optimizer to `StepRunner` (it has `step()` and

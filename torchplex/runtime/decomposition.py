@@ -7,9 +7,19 @@ The prompt prefix (vision + prompt tokens) does not depend on the sampled respon
     response suffixes (`suffix_forward`), whose gradients all flow back into that one prefix graph.
 A model thus runs P + G*R token-forwards per prompt instead of the serial G*(P+R). The log-probs are those of
 `SerialScorer` to within float rounding; tests/test_decomposition.py holds the two to 1e-5 in fp32.
+
+Training backward runs in two parts (`DecomposedScorer.backward`). Every decoder weight and the token embeddings
+serve both the prefix and the suffixes, so in one backward each weight's `AccumulateGrad` node has two inputs: the
+suffix part is computed first and would wait in the node's input buffer until the prefix part arrives, a whole
+extra copy of those gradients (13 GiB in bf16 at 7B) at the start of the prefix backward. Instead the suffixes read
+the prefix tensors detached, as leaves that require grad: their backward accumulates every weight's suffix part
+into `.grad` at once and leaves the prefix tensors' gradients on the leaves; a second backward from the prefix
+tensors with those gradients adds the prefix part (tests/test_suffix_grad_memory.py measures the difference).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +75,40 @@ def merge_prefix_states(states: list[PrefixState]) -> PrefixState:
                        torch.cat([s.last_hidden for s in states]))
 
 
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_() if t.requires_grad else t
+
+
+@dataclass
+class DeferredPrefix:
+    """A prefix state's differentiable tensors (`roots`, with the prefix graph) and the detached leaves the
+    suffixes read instead, in the same order; the prefix backward sends the leaves' gradients into the roots."""
+
+    roots: list[torch.Tensor]
+    leaves: list[torch.Tensor]
+
+    @staticmethod
+    def split(state: PrefixState) -> tuple[PrefixState, "DeferredPrefix | None"]:
+        """(the state the suffixes read, the deferred prefix part), or (state, None) when nothing needs grad."""
+        roots = state.k + state.v + [state.last_hidden]
+        if not any(t.requires_grad for t in roots):
+            return state, None
+        leaves = [_leaf(t) for t in roots]
+        layers = len(state.k)
+        detached = PrefixState(leaves[:layers], leaves[layers:2 * layers], state.lengths, state.next_position,
+                               leaves[-1])
+        return detached, DeferredPrefix(roots, leaves)
+
+    def gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(roots, their gradients) for the leaves the suffix backward reached."""
+        pairs = [(root, leaf.grad) for root, leaf in zip(self.roots, self.leaves)
+                 if leaf is not root and leaf.grad is not None]
+        return [r for r, _ in pairs], [g for _, g in pairs]
+
+    def reached(self) -> bool:
+        return any(leaf is not root and leaf.grad is not None for root, leaf in zip(self.roots, self.leaves))
+
+
 class PrefixStore:
     """Prefix states computed ahead of their consumer (in the rollout prefill or the decode window), held per
     (model, prompt) until a scorer takes them. Taking removes them, so each is used once: the actor's prefix of θk
@@ -95,9 +139,16 @@ class PrefixStore:
 
 
 class DecomposedScorer:
-    def __init__(self, pad_id: int = 0, checkpoint_prefix: bool = False, vision_cache: VisionCache | None = None):
+    """split_prefix_backward: with autograd on, the suffixes read detached prefix leaves and `backward(loss)` runs
+    the suffix part, then the prefix part (see the module docstring); False keeps one backward through both
+    (the same numbers up to summation order, plus a pending copy of the shared weights' gradients)."""
+
+    def __init__(self, pad_id: int = 0, checkpoint_prefix: bool = False, vision_cache: VisionCache | None = None,
+                 split_prefix_backward: bool = True):
         self.pad_id = pad_id
         self.checkpoint_prefix = checkpoint_prefix
+        self.split_prefix_backward = split_prefix_backward
+        self._deferred: list[DeferredPrefix] = []  # prefix parts of scored losses, until `backward` runs them
         self.vision = vision_cache or VisionCache()
         self.store = PrefixStore()
         self.counts = TokenCounts()
@@ -106,6 +157,24 @@ class DecomposedScorer:
     def new_step(self) -> None:
         self.vision.new_step()
         self.store.clear()
+        self._deferred.clear()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() for losses of this scorer's `score` outputs: the suffix part (every weight's suffix
+        gradient goes straight into .grad), then one backward of the deferred prefixes from their leaves'
+        gradients (the prefix part is added to the same .grad)."""
+        loss.backward()
+        deferred, self._deferred = self._deferred, []
+        roots, grads = [], []
+        for d in deferred:
+            r, g = d.gradients()
+            roots += r
+            grads += g
+        if roots:
+            torch.autograd.backward(roots, grad_tensors=grads)
+        for d in deferred:  # consumed; the caller's spent graph may still hold the leaves
+            for leaf in d.leaves:
+                leaf.grad = None
 
     def visual_embeds(self, model, prompts) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if tower_trains(model):
@@ -134,9 +203,18 @@ class DecomposedScorer:
         return run(image, video), batch
 
     def score(self, model, request: ScoreRequest, temperature: float, with_entropy: bool = False):
+        """Log-probs (and entropies) of the request's responses. With autograd on (and split_prefix_backward),
+        differentiate a loss of them with `self.backward(loss)`: a plain loss.backward() stops at the prefix."""
+        if any(d.reached() for d in self._deferred):
+            raise RuntimeError("a loss of an earlier DecomposedScorer.score was backpropagated with loss.backward(); "
+                               "use scorer.backward(loss), which also runs the prefix part")
         computed_before = len(self.store)
         prefix, batch = self.prefix(model, request.prompts)
         reused = len(self.store) < computed_before  # the prefix came from the store: computed elsewhere
+        if self.split_prefix_backward and torch.is_grad_enabled():
+            prefix, deferred = DeferredPrefix.split(prefix)
+            if deferred is not None:
+                self._deferred.append(deferred)
         device = request.tokens.device
         owner = torch.tensor(request.prompt_index, device=device)
         first = prefix.last_hidden[owner][:, None]  # predicts response token 0

@@ -8,11 +8,12 @@ rollout KV pool and training activations, but no phase needs all of them at once
     train      actor weights + gradients + activations
     optimizer  actor weights + gradients + master weights + optimizer state   (the step at the end of train)
 
-Each large group is registered with the phases that need it (`TensorGroup`). `MemoryPlan.build` turns that into
-plain data: per phase, what is resident, what is copied out on entry, what is loaded late, what is prefetched for
-the next phase, and the expected peak. `MemoryManager.enter(phase)` executes one phase's row: it frees what the
-phase does not hold, waits on the prefetches of what it needs, and starts the next phase's prefetches on a copy
-engine (CUDA copy streams on GPU, `memory_copy.py`), so transfers overlap the phase's compute.
+Each large group is registered with the phases that need it (`TensorGroup`, `memory_groups.py`). `MemoryPlan.build`
+(`memory_plan.py`) turns that into plain data: per phase, what is resident, what is copied out on entry, what is
+loaded late, what is prefetched for the next phase, and the expected peak. `MemoryManager.enter(phase)` executes one
+phase's row: it frees what the phase does not hold, waits on the prefetches of what it needs, and starts the next
+phase's prefetches on a copy engine (CUDA copy streams on GPU, `memory_copy.py`), so transfers overlap the phase's
+compute.
 
 Group kinds:
     offload    data must survive: copied to a pinned host buffer (allocated once, reused) and the device storage
@@ -27,7 +28,9 @@ A *streamed* offload group (`chunks`) is needed in one phase only and never held
 chunks with `MemoryManager.stream()`, which prefetches chunk i+1 while chunk i is used and copies chunk i out after,
 keeping at most the plan's `stream_window_bytes` of the group on the device (chunks in use, coming in, or still
 being copied out). The phase before may prefetch the first chunks where the budget allows. This is how the AdamW
-state (2 x fp32 per parameter) goes through the optimizer phase (`components/master_weights.py`).
+state (2 x fp32 per parameter) goes through the optimizer phase (`components/master_weights.py`). Where every phase
+has room, the plan may keep a streamed group's first chunks *resident* (`MemoryPlan.build(max_resident_chunks=...)`):
+they never move, so each one saves two copies per step; the stream yields them without waiting.
 
 The plan's rule: a phase holds what it needs plus what the next phase needs (prefetched during it), as far as a
 device budget allows. Whatever the previous phase needed and this one does not hold is copied out on entry; until
@@ -45,7 +48,6 @@ never starts before its prefetch has landed.
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from collections import deque
@@ -61,198 +63,9 @@ from .memory_copy import (CopyEngine, CudaStreamCopyEngine, DoneTicket, FutureTi
 
 from .memory_groups import (KINDS, TensorGroup, grads_group, kv_pool_group, module_group,  # noqa: F401
                             optimizer_state_group, plain_tensors, tensor_bytes, window_bytes)
+from .memory_plan import GiB, MemoryPlan, PhasePlan, PlannedGroup  # noqa: F401
 
-GiB = 2**30
 ARENA_SLACK_BYTES = 64 * 2**20  # alignment padding and small tensors beyond a group's planned bytes
-
-
-# ---- the plan -------------------------------------------------------------------------------------------------
-@dataclass
-class PlannedGroup:
-    name: str
-    kind: str
-    nbytes: int
-    needed_in: list[str]
-    chunk_nbytes: list[int] | None = None  # streamed group: planned bytes of each chunk
-    frozen: bool = False
-
-
-@dataclass
-class PhasePlan:
-    phase: str
-    needed: list[str]       # groups the phase uses
-    resident: list[str]     # on device during the phase: needed (not host, not streamed) + held or prefetched
-    offload: list[str]      # on entry: copied out (offload kind) or freed (release kind)
-    load: list[str]         # on entry, blocking: not prefetched earlier (offload kind) or reserved (release kind)
-    prefetch: list[str]     # started on entry for the next phase, waited on when it enters
-    drain: bool             # wait for this entry's copies out before allocating anything (budget too tight)
-    peak_bytes: int         # resident + streamed window + copies still in flight unless drained
-    naive_bytes: int        # what the phase would hold if nothing ever left the device
-    exposed_bytes: int      # copied without overlapping compute: late loads + drained copies + streamed-in chunks
-    fits: bool              # peak_bytes <= the plan's budget (True without a budget)
-    streamed: list[str] = field(default_factory=list)  # groups this phase walks chunk by chunk (stream())
-    stream_window_bytes: int = 0  # most bytes of streamed chunks on the device at once in this phase
-    prefetch_chunks: dict[str, int] = field(default_factory=dict)  # next phase's streamed groups: leading chunks
-
-
-@dataclass
-class MemoryPlan:
-    phases: list[PhasePlan]
-    groups: list[PlannedGroup]
-    budget_bytes: int | None = None
-    stream_window: int = 3  # chunks of a stream on the device in steady state: in use, coming in, going out
-
-    @classmethod
-    def build(cls, groups: list[TensorGroup], phases: list[str], budget_bytes: int | None = None,
-              stream_window: int = 3) -> "MemoryPlan":
-        """Per phase (cyclic: the last phase's next is the first), choose which of the next phase's groups to hold
-        (for a streamed group: how many of its leading chunks) and whether to drain: the choice that fits the
-        budget with the fewest exposed bytes, then the lowest peak (when nothing fits: the lowest peak)."""
-        _validate(groups, phases)
-        if stream_window < 2:
-            raise ValueError(f"stream_window must be >= 2 (the chunk in use and the next), got {stream_window}")
-        info = [PlannedGroup(g.name, g.kind, g.planned_bytes(), [p for p in phases if p in g.needed_in],
-                             g.planned_chunk_bytes(), g.frozen) for g in groups]
-        by_name = {g.name: g for g in info}
-        kind = lambda n: by_name[n].kind
-        dev = lambda names: sum(by_name[n].nbytes for n in names if kind(n) != "host")
-        moving = lambda names: sum(by_name[n].nbytes for n in names if not by_name[n].frozen)  # copied out
-        needed = {p: [g.name for g in info if p in g.needed_in] for p in phases}
-        plain = {p: [n for n in needed[p] if by_name[n].chunk_nbytes is None] for p in phases}
-        streamed = {p: [n for n in needed[p] if by_name[n].chunk_nbytes is not None] for p in phases}
-        per_chunk = {p: [sum(c) for c in zip(*(by_name[n].chunk_nbytes for n in streamed[p]))] for p in phases}
-        window = {p: window_bytes(per_chunk[p], stream_window) for p in phases}
-        all_offload = [g.name for g in info if g.kind == "offload"]
-
-        chosen, kchunks, drains = {}, {}, {}
-        for i, p in enumerate(phases):
-            prev, nxt = phases[i - 1], phases[(i + 1) % len(phases)]
-            candidates = [n for n in plain[nxt] if kind(n) == "offload" and n not in needed[p]]
-            k_options = range(len(per_chunk[nxt]) + 1) if nxt != p else [0]
-            nxt_floor = dev(plain[nxt])
-            best = None
-            for r in range(len(candidates) + 1):
-                for pick in itertools.combinations(candidates, r):
-                    resident = plain[p] + list(pick)
-                    outgoing = [n for n in plain[prev] if kind(n) == "offload" and n not in resident]
-                    out_bytes = moving(outgoing) + window[prev]  # the previous stream's tail: at least a window
-                    for k in k_options:
-                        held = sum(per_chunk[nxt][:k])
-                        skipped = dev(c for c in candidates if c not in pick) + sum(per_chunk[nxt][k:])
-                        # holding k chunks also holds them at the next phase's start
-                        nxt_over = budget_bytes is not None and k > 0 and \
-                            nxt_floor + max(window[nxt], held) > budget_bytes
-                        for drain in (False, True):
-                            peak = dev(resident) + held + window[p] + (0 if drain else out_bytes)
-                            over = (budget_bytes is not None and peak > budget_bytes) or nxt_over
-                            exposed = skipped + (out_bytes if drain else 0)
-                            key = (over, peak, exposed, drain) if over else (over, exposed, peak, drain)
-                            if best is None or key < best[0]:
-                                best = (key, list(pick), k, drain)
-            chosen[p], kchunks[p], drains[p] = best[1], best[2], best[3]
-
-        cap = {p: max(window[p], sum(per_chunk[p][:kchunks[phases[i - 1]]])) if streamed[p] else 0
-               for i, p in enumerate(phases)}
-        rows = []
-        for i, p in enumerate(phases):
-            prev, nxt = phases[i - 1], phases[(i + 1) % len(phases)]
-            resident = [n for n in plain[p] if kind(n) != "host"] + chosen[p]
-            held_before = plain[prev] + chosen[prev]
-            outgoing = [n for n in held_before if kind(n) == "offload" and n not in resident]
-            freed = [n for n in needed[prev] if kind(n) == "release" and n not in needed[p]]
-            late = [n for n in plain[p] if kind(n) == "offload" and n not in held_before]
-            reserved = [n for n in needed[p] if kind(n) == "release" and n not in needed[prev]]
-            out_bytes = moving(outgoing) + cap[prev]
-            drain = drains[p] and out_bytes > 0
-            held_next = sum(per_chunk[nxt][:kchunks[p]])
-            streamed_late = sum(per_chunk[p][kchunks[prev]:]) if streamed[p] else 0
-            peak = dev(resident) + held_next + cap[p] + (0 if drain else out_bytes)
-            rows.append(PhasePlan(
-                phase=p, needed=needed[p], resident=resident, offload=outgoing + freed, load=late + reserved,
-                prefetch=[n for n in chosen[p] if n not in needed[prev]], drain=drain, peak_bytes=peak,
-                naive_bytes=dev(all_offload) + dev(n for n in needed[p] if kind(n) != "offload"),
-                exposed_bytes=dev(late) + (out_bytes if drain else 0) + streamed_late,
-                fits=budget_bytes is None or peak <= budget_bytes, streamed=streamed[p], stream_window_bytes=cap[p],
-                prefetch_chunks={n: kchunks[p] for n in streamed[nxt]} if kchunks[p] else {}))
-        return cls(rows, info, budget_bytes, stream_window)
-
-    def phase(self, name: str) -> PhasePlan:
-        for row in self.phases:
-            if row.phase == name:
-                return row
-        raise KeyError(f"phase {name!r} is not in the memory plan; phases: {[r.phase for r in self.phases]}")
-
-    @property
-    def peak_bytes(self) -> int:
-        return max(r.peak_bytes for r in self.phases)
-
-    @property
-    def naive_peak_bytes(self) -> int:
-        return max(r.naive_bytes for r in self.phases)
-
-    @property
-    def floor_bytes(self) -> int:
-        """The least any plan can peak at: the largest phase's own needs (no prefetch, every copy drained; a
-        streamed group counts one window of chunks)."""
-        by_name = {g.name: g for g in self.groups}
-
-        def need(row):
-            chunks = [sum(c) for c in zip(*(by_name[n].chunk_nbytes for n in row.streamed))]
-            return (sum(by_name[n].nbytes for n in row.needed if by_name[n].kind != "host" and n not in row.streamed)
-                    + window_bytes(chunks, self.stream_window))
-
-        return max(need(r) for r in self.phases)
-
-    @property
-    def host_bytes(self) -> int:
-        """Host memory the plan needs: buffers of groups offloaded somewhere, plus host-resident groups."""
-        moved = {n for r in self.phases for n in r.offload + r.streamed}
-        return sum(g.nbytes for g in self.groups
-                   if g.kind == "host" or (g.kind == "offload" and g.name in moved))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def __str__(self) -> str:
-        gib = lambda b: f"{b / GiB:8.2f}"
-        lines = [f"{'group':<22}{'kind':<11}{'GiB':>8}  needed in"]
-        for g in self.groups:
-            chunks = f" ({len(g.chunk_nbytes)} chunks, streamed)" if g.chunk_nbytes is not None else ""
-            frozen = " (frozen)" if g.frozen else ""
-            lines.append(f"{g.name:<22}{g.kind:<11}{gib(g.nbytes)}  {', '.join(g.needed_in)}{chunks}{frozen}")
-        budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.2f} GiB"
-        lines += ["", f"budget {budget}; host buffers {self.host_bytes / GiB:.2f} GiB",
-                  f"{'phase':<11}{'peak':>8}{'naive':>8}{'exposed':>8}  resident | offload | load | prefetch"]
-        for r in self.phases:
-            flag = "" if r.fits else "  OVER BUDGET"
-            drain = " (drained)" if r.drain else ""
-            resident = r.resident + [f"{n}(stream<={r.stream_window_bytes / GiB:.2f})" for n in r.streamed]
-            prefetch = r.prefetch + [f"{n}[:{k}]" for n, k in r.prefetch_chunks.items()]
-            lines.append(f"{r.phase:<11}{gib(r.peak_bytes)}{gib(r.naive_bytes)}{gib(r.exposed_bytes)}  "
-                         f"{' '.join(resident) or '-'} | {' '.join(r.offload) or '-'}{drain} | "
-                         f"{' '.join(r.load) or '-'} | {' '.join(prefetch) or '-'}{flag}")
-        lines.append(f"{'max':<11}{gib(self.peak_bytes)}{gib(self.naive_peak_bytes)}")
-        return "\n".join(lines)
-
-
-def _validate(groups: list[TensorGroup], phases: list[str]) -> None:
-    if not phases or len(set(phases)) != len(phases):
-        raise ValueError(f"phases must be a non-empty list of distinct names, got {phases}")
-    names = [g.name for g in groups]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ValueError(f"duplicate group names: {dup}")
-    for g in groups:
-        unknown = sorted(g.needed_in - set(phases))
-        if unknown:
-            raise ValueError(f"group {g.name!r} is needed in unknown phase(s) {unknown}; phases: {phases}")
-    for p in phases:  # streamed groups of one phase are walked in lockstep: chunk i of each together
-        counts = {g.name: len(g.planned_chunk_bytes()) for g in groups if g.streamed and p in g.needed_in}
-        if len(set(counts.values())) > 1:
-            raise ValueError(f"streamed groups of phase {p!r} have different chunk counts: {counts}")
 
 
 # ---- the manager ----------------------------------------------------------------------------------------------
@@ -272,6 +85,8 @@ class PhaseRecord:
     wait_s: float = 0.0                 # host time `enter` blocked (late loads, drains, slow prefetches)
     chunks_streamed: int = 0            # chunks `stream()` walked in this phase
     stream_wait_s: float = 0.0          # host time `stream()` blocked (room for the next chunk, host-side waits)
+    copy_in_bytes: int = 0              # planned bytes of what the manager copied in during the phase
+    copy_out_bytes: int = 0             # planned bytes of what it copied out (a frozen group's free is no copy)
 
 
 class MemoryManager:
@@ -302,6 +117,7 @@ class MemoryManager:
         self.chunk_size = {g.name: g.chunk_nbytes for g in plan.groups if g.chunk_nbytes is not None}
         self.on_device = {g.name: g.kind != "host" for g in groups if not g.streamed}  # or on its way there
         self.chunk_on_device = {n: [True] * len(sizes) for n, sizes in self.chunk_size.items()}
+        self.resident_chunks = plan.resident_chunks  # never moved
         self.records: list[PhaseRecord] = []
         self._buffers: dict[int, StorageMove] = {}  # id(tensor) -> its host buffer, allocated once
         self._arenas: dict[str, HostArena] = {}     # one host allocation per group
@@ -319,7 +135,7 @@ class MemoryManager:
         self.close()
         start = time.perf_counter()
         resident, needed = set(row.resident), set(row.needed)
-        record = PhaseRecord(phase, row.peak_bytes, 0)
+        record = self._current = PhaseRecord(phase, row.peak_bytes, 0)  # _current: moves count on it
         for name, g in self.groups.items():  # free first, so what comes in next has room
             if g.kind == "release" and self.on_device[name] and name not in needed:
                 g.release()
@@ -331,7 +147,7 @@ class MemoryManager:
             self._offload((name, None))
         record.offloaded += outgoing
         for name, on in self.chunk_on_device.items():  # streamed groups outside their phase (or its prefetch)
-            keep = len(on) if name in needed else row.prefetch_chunks.get(name, 0)
+            keep = len(on) if name in needed else self.resident_chunks[name] + row.prefetch_chunks.get(name, 0)
             leaving = [i for i in range(keep, len(on)) if on[i]]
             for i in leaving:
                 self._offload((name, i))
@@ -361,7 +177,8 @@ class MemoryManager:
                 self._prefetch((name, None))
                 record.prefetched.append(name)
         for name, k in row.prefetch_chunks.items():
-            coming = [i for i in range(k) if not self.chunk_on_device[name][i]]
+            first = self.resident_chunks[name]
+            coming = [i for i in range(first, first + k) if not self.chunk_on_device[name][i]]
             for i in coming:
                 self._prefetch((name, i))
             if coming:
@@ -376,7 +193,6 @@ class MemoryManager:
             + (0 if row.drain else in_flight))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._current = record
         self.records.append(record)
         return record
 
@@ -387,7 +203,8 @@ class MemoryManager:
         Chunks i+1 .. i+window-2 are prefetched ahead; a prefetch that would take the chunks on the device (in
         use, coming in, or still going out) past the plan's `stream_window_bytes` first waits, host-side, for the
         oldest copies out (their blocks return to the allocator only then). `num_chunks` checks the caller's count.
-        """
+        The plan's resident chunks (the first R) are yielded without waiting and never copied out; while they are
+        walked, the first moving chunks come in as far as the window allows (no copy out to wait for yet)."""
         record = self._current
         if record is None:
             raise RuntimeError("stream() runs inside a phase: call enter(phase) first")
@@ -401,7 +218,8 @@ class MemoryManager:
             raise ValueError(f"the caller walks {num_chunks} chunks, the plan's streamed groups have {n}")
         size = [sum(self.chunk_size[name][i] for name in names) for i in range(n)]
         on = lambda i: all(self.chunk_on_device[name][i] for name in names)
-        live = {i: size[i] for i in range(n) if on(i)}  # bytes on the device per chunk (or still going out)
+        kept = self.resident_chunks[names[0]]  # the plan gives a phase's streamed groups one R
+        live = {i: size[i] for i in range(kept, n) if on(i)}  # moving chunks on the device (or still going out)
         going_out: deque[int] = deque()
         static = record.tracked_bytes - sum(live.values())
         peak = record.tracked_bytes
@@ -416,26 +234,37 @@ class MemoryManager:
                         ticket.synchronize()
                 live.pop(oldest)
 
+        def bring(j: int) -> None:
+            nonlocal peak
+            for name in names:
+                if not self.chunk_on_device[name][j]:
+                    self._prefetch((name, j))
+            live[j] = size[j]
+            peak = max(peak, static + sum(live.values()))
+
         for i in range(n):
             t0 = time.perf_counter()
-            for j in range(i, min(n, i + lookahead + 1)):
+            if i < kept:  # a resident chunk needs no copy: meanwhile the first moving chunks fill the window
+                for j in (j for j in range(kept, n) if not on(j)):
+                    if sum(live.values()) + size[j] > row.stream_window_bytes:
+                        break
+                    bring(j)
+            for j in range(i, min(n, i + lookahead + 1)) if i >= kept else ():
                 if not on(j):
                     make_room(size[j])
-                    for name in names:
-                        if not self.chunk_on_device[name][j]:
-                            self._prefetch((name, j))
-                    live[j] = size[j]
-                    peak = max(peak, static + sum(live.values()))
+                    bring(j)
             for name in names:
                 ticket = self._prefetching.pop((name, i), None)
                 if ticket is not None:
                     ticket.wait()
             record.stream_wait_s += time.perf_counter() - t0
             yield i
+            record.chunks_streamed += 1
+            if i < kept:
+                continue  # resident: stays
             for name in names:
                 self._offload((name, i))
             going_out.append(i)
-            record.chunks_streamed += 1
         record.tracked_bytes = peak
         self._tail_bytes = sum(live.values())
 
@@ -466,7 +295,8 @@ class MemoryManager:
     # ---- moves ----
     def _arena(self, name: str) -> HostArena:
         if name not in self._arenas:
-            self._arenas[name] = HostArena(self.size[name] + ARENA_SLACK_BYTES, self.engine.pin_memory)
+            kept = sum(self.chunk_size[name][:self.resident_chunks[name]]) if name in self.chunk_size else 0
+            self._arenas[name] = HostArena(self.size[name] - kept + ARENA_SLACK_BYTES, self.engine.pin_memory)
         return self._arenas[name]
 
     def _storages(self, unit: Unit) -> list[StorageMove]:
@@ -506,6 +336,7 @@ class MemoryManager:
             for m in moves:  # the host copy is still current: only free (ordered after the last reader's stream)
                 m.free()
         else:
+            self._count(unit, "copy_out_bytes")
             ticket = self.engine.offload(moves)
             if self.groups[unit[0]].frozen:  # first copy out: drained, so no plan ever counts it in flight
                 ticket.synchronize()
@@ -516,8 +347,15 @@ class MemoryManager:
 
     def _prefetch(self, unit: Unit) -> None:
         self._offloading.pop(unit, None)
+        self._count(unit, "copy_in_bytes")
         self._prefetching[unit] = self.engine.prefetch(self._moved.pop(unit, []))
         self._set_on_device(unit, True)
+
+    def _count(self, unit: Unit, field_name: str) -> None:
+        name, chunk = unit
+        if self._current is not None:
+            nbytes = self.size[name] if chunk is None else self.chunk_size[name][chunk]
+            setattr(self._current, field_name, getattr(self._current, field_name) + nbytes)
 
     def _check_disjoint(self) -> None:
         """Two groups sharing a storage would free each other's data: refuse, naming both."""
