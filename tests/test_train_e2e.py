@@ -166,8 +166,11 @@ def test_resume_after_preemption_reproduces_the_uninterrupted_run(tmp_path, tiny
 
 # ---- 2. data parallel ------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_process_fsdp_run_matches_one_process_run(tmp_path, tiny_ckpt, synthetic_dir, uneven_reward):
+@pytest.mark.parametrize("mode", ["serial", "overlapped"])
+def test_two_process_fsdp_run_matches_one_process_run(tmp_path, tiny_ckpt, synthetic_dir, uneven_reward, mode):
     """2 gloo ranks with FSDP2, each taking half of every global batch, train like one process on the whole batch.
+    In serial mode and in overlapped mode (decomposed scoring, the actor prefix fused into the rollout prefill, a
+    frozen-tower cache that must not call the FSDP2 tower unit before its root).
 
     Same samples (seeds follow the prompt's index in the global batch), same globally reduced metrics, same
     weights up to fp32 summation order. Adam's eps is raised from 1e-8 to 1e-6 for the weight comparison: Adam
@@ -178,7 +181,7 @@ def test_two_process_fsdp_run_matches_one_process_run(tmp_path, tiny_ckpt, synth
     """
     argv = fast_args(tiny_ckpt, synthetic_dir, tmp_path, "single", "--training.steps=3",
                      "--algorithm.kl_coef=0.05", "--algorithm.micro_batch_size=3", "--optimizer.eps=1e-6",
-                     "--checkpoint.export_hf_at_end=true")
+                     "--checkpoint.export_hf_at_end=true", f"--runtime.mode={mode}")
     Trainer(load_config(argv)).train()
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",

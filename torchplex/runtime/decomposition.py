@@ -48,16 +48,19 @@ class VisionCache:
     def new_step(self) -> None:
         self._store.clear()
 
-    def get(self, tower, prompt, kind: str):
+    def get(self, model, prompt, kind: str):
+        """The prompt's visual embeddings from `model`'s tower (keyed by the tower: a reference sharing the actor's
+        frozen tower reuses the actor's encoding). Encoded through `model.encode_vision`, the root's method, so an
+        FSDP2 root initialises before its tower unit is called."""
         pixels = prompt.pixel_values if kind == "image" else prompt.pixel_values_videos
         grid = prompt.image_grid_thw if kind == "image" else prompt.video_grid_thw
         if pixels is None:
             return None
-        key = (id(tower), id(prompt), kind)
+        key = (id(model.visual), id(prompt), kind)
         if key not in self._store:
-            device = next(tower.parameters()).device
+            device = next(model.visual.parameters()).device
             with torch.no_grad():
-                self._store[key] = tower(pixels.to(device), grid.to(device))
+                self._store[key] = model.encode_vision(pixels.to(device), grid.to(device))
             self.encodes += 1
         return self._store[key]
 
@@ -183,8 +186,8 @@ class DecomposedScorer:
             run = lambda pix, grid: None if pix is None else model.encode_vision(pix.to(device), grid.to(device))
             return run(batch.pixel_values, batch.image_grid_thw), run(batch.pixel_values_videos, batch.video_grid_thw)
         cat = lambda xs: torch.cat(xs) if xs else None
-        images = [e for p in prompts if (e := self.vision.get(model.visual, p, "image")) is not None]
-        videos = [e for p in prompts if (e := self.vision.get(model.visual, p, "video")) is not None]
+        images = [e for p in prompts if (e := self.vision.get(model, p, "image")) is not None]
+        videos = [e for p in prompts if (e := self.vision.get(model, p, "video")) is not None]
         return cat(images), cat(videos)
 
     def prefix(self, model, prompts):
