@@ -125,8 +125,8 @@ class GroupedDecodeAttention:
     compute garbage that nobody reads. Two kernels compute the same thing:
 
     - "matmul": softmax over both parts jointly in fp32 with batched matmuls over the whole pool (eager, CPU).
-    - "flex": two flex-attention calls, the group's n*H query rows against its prompt once and each sample's
-      rows against its own tokens, each visiting only the K/V blocks below its length, merged exactly through
+    - "flex": two flex-attention calls, the group's n*H/Hkv query rows per K/V head against its prompt (read once)
+      and each sample's H/Hkv rows per K/V head against its own tokens, each visiting only the K/V blocks below its length, merged exactly through
       their log-sum-exps. Under torch.compile (CUDA) each call is one fused split-K decoding kernel; eager it is
       flex's unfused reference, which the CPU tests compare with "matmul".
     """
@@ -179,9 +179,10 @@ class GroupedDecodeAttention:
         lse_pre = aux.lse.view(groups, hkv, n, rep).transpose(1, 2).reshape(slots, heads, 1)
         o_suf, aux = flex_attention(q.view(slots, hkv, rep, dim), pool.suffix_k[layer], pool.suffix_v[layer],
                                     block_mask=suffix_mask, return_aux=lse_only)
-        o_suf, lse_suf = o_suf.reshape(slots, heads, 1, dim), aux.lse.reshape(slots, heads, 1)  # lse finite: the
-        top = torch.maximum(lse_pre, lse_suf)                                               # new token is in it
-        w_pre, w_suf = torch.exp(lse_pre - top), torch.exp(lse_suf - top)  # an empty prompt has lse -inf: weight 0
+        # The own part always holds the new token, so its lse is finite; an empty prompt's is -inf (weight 0).
+        o_suf, lse_suf = o_suf.reshape(slots, heads, 1, dim), aux.lse.reshape(slots, heads, 1)
+        top = torch.maximum(lse_pre, lse_suf)
+        w_pre, w_suf = torch.exp(lse_pre - top), torch.exp(lse_suf - top)
         out = (o_pre.float() * w_pre[..., None] + o_suf.float() * w_suf[..., None]) / (w_pre + w_suf)[..., None]
         return out.to(out_dtype)
 
