@@ -13,6 +13,7 @@ replace the prefill with its own (`prefill_fn`, e.g. one that keeps autograd for
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from ..models.attention import PrefixState
 from .kv_pool import DECODE_KERNELS, GroupedDecodeAttention, GroupKVPool, PoolTooSmallError
 from .sampling import SamplingParams, sample
 
+
+log = logging.getLogger(__name__)
 
 PROMPT_BUCKET = 256  # the pool's prompt capacity grows in steps of this many tokens
 
@@ -115,6 +118,7 @@ class RolloutEngine:
         self.flex_options = flex_options
         self._step_params: SamplingParams | None = None
         self._compiled_step = None
+        self._compiled_shapes: set = set()  # (sampling params, pool geometry) compiled so far, for the log
         self.prefill_tokens = prefill_tokens
         # Checking for finished samples costs a host sync; on GPU do it every few steps.
         self.check_interval = check_interval or (4 if self.device.type == "cuda" else 1)
@@ -177,6 +181,13 @@ class RolloutEngine:
             self._compiled_step = torch.compile(fn, dynamic=False) if self.use_compile else fn
             self._step_fn = None
         if self._step_fn is None:
+            pool = self.pool
+            shape = (repr(key), pool.num_groups, pool.n, pool.max_prompt, pool.max_new)
+            if self.use_compile and shape not in self._compiled_shapes:  # later steps and rollouts replay
+                self._compiled_shapes.add(shape)
+                log.info("rollout: compiling the decode step for %d groups x n=%d, prompts <= %d, <= %d new tokens "
+                         "(about a minute on a GPU the first time)", pool.num_groups, pool.n, pool.max_prompt,
+                         pool.max_new)
             self._step_fn = CapturedStep(self._compiled_step) if self.use_graphs else self._compiled_step
         return lambda params, *state: self._step_fn(*state)
 
