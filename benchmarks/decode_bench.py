@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from torchplex.models.qwen2_5_vl.args import get_flavor  # noqa: E402
+from step_bench import bench_flavor  # noqa: E402
 from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
 from torchplex.rollout.sampling import SamplingParams  # noqa: E402
@@ -44,13 +45,6 @@ def copy_bandwidth(device) -> float:
         y.copy_(x)
     torch.cuda.synchronize()
     return 2 * x.numel() * reps / (time.perf_counter() - t)
-
-
-def bench_args(geometry: str):
-    args = get_flavor(geometry)
-    args.vision.depth = 1
-    args.vision.fullatt_block_indexes = (0,)
-    return args
 
 
 def native_decode(model, batch: int, context: int, steps: int, warmup: int, compile_decode: bool,
@@ -176,7 +170,7 @@ def main():
     a = ap.parse_args()
     faulthandler.dump_traceback_later(a.watchdog_s, exit=True)
     dev = torch.device("cuda")
-    args = bench_args(a.geometry)
+    args = bench_flavor(a.geometry, vision_depth=1)  # the tower plays no part in decode
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Qwen2_5_VLModel(args)

@@ -42,10 +42,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.step_bench import NullTokenizer, build, make_prompt  # noqa: E402
+from benchmarks.step_bench import NullTokenizer, bench_flavor, build, make_prompt, sync  # noqa: E402
 from torchplex.components.optim import build_optimizer  # noqa: E402
 from torchplex.distributed.mesh import build_parallel_dims, init_distributed  # noqa: E402
-from torchplex.models.qwen2_5_vl.args import get_flavor  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl  # noqa: E402
 from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
@@ -62,11 +61,6 @@ LAYOUTS = ("disaggregated", "colocated_replicate", "colocated_fsdp")
 
 def log(msg: str) -> None:
     print(f"[rank {dist.get_rank()} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def sample_seeds(step: int, group: int, global_indices: list[int]) -> list[list[int]]:
@@ -349,10 +343,7 @@ def main(argv=None):
         raise SystemExit(f"disagg_bench runs on exactly 2 ranks (torchrun --nproc-per-node 2), got {world}")
     log(f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')} device {device} geometry {a.geometry} {a.dtype}")
     dtype = getattr(torch, a.dtype)
-    margs = get_flavor(a.geometry)
-    if a.geometry == "debug":
-        margs = margs.with_token_ids(image_token_id=2000, video_token_id=2001, vision_start_token_id=2002,
-                                     vision_end_token_id=2003)
+    margs = bench_flavor(a.geometry)
     prompts = [make_prompt(margs, a.prompt_tokens, seed=i) for i in range(a.prompts)]
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.max_new, seed=0)
 

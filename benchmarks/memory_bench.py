@@ -44,10 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memory_plan import LOGITS_CHUNK, layer_workspace_bytes, train_activation_bytes  # noqa: E402
-from step_bench import NullTokenizer, build, make_prompt, sync  # noqa: E402
+from step_bench import NullTokenizer, bench_flavor, build, make_prompt  # noqa: E402
 
 from torchplex.components.master_weights import MasterWeights  # noqa: E402
-from torchplex.models.qwen2_5_vl.args import get_flavor  # noqa: E402
 from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing  # noqa: E402
 from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
@@ -130,14 +129,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def finish(result: dict, out: str) -> dict:
+    """Write the result JSON (when asked) and stop the watchdog."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2))
+        log(f"wrote {out}")
+    faulthandler.cancel_dump_traceback_later()
+    return result
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
     faulthandler.dump_traceback_later(a.watchdog_s, exit=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    args = get_flavor(a.geometry)
-    if a.geometry == "debug":
-        args = args.with_token_ids(image_token_id=2000, video_token_id=2001, vision_start_token_id=2002,
-                                   vision_end_token_id=2003)
+    args = bench_flavor(a.geometry)
     dtype = torch.bfloat16
     t0 = time.perf_counter()
     if a.plan_only:  # sizes only: nothing is allocated (AdamW unfused on meta: no 4-byte step counters per tensor)
@@ -185,12 +191,7 @@ def main(argv=None) -> dict:
         result = {"info": {"prompt_tokens": prompt_tokens, "image_tokens": image_tokens, **vars(a)},
                   "naive_peak_gib": plan.naive_peak_bytes / GiB, "plan_peak_gib": plan.peak_bytes / GiB,
                   "planned": planned, "plan": plan.to_dict(), "plan_table": str(plan)}
-        if a.out:
-            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.out).write_text(json.dumps(result, indent=2))
-            log(f"wrote {a.out}")
-        faulthandler.cancel_dump_traceback_later()
-        return result
+        return finish(result, a.out)
     copy_engine = {"auto": default_copy_engine(device) if device.type == "cuda" else ThreadCopyEngine(),
                    "thread": ThreadCopyEngine(), "none": NoTransferCopyEngine()}[a.copy_engine]
     manager = MemoryManager(plan, groups, device, engine=copy_engine)
@@ -316,12 +317,7 @@ def main(argv=None) -> dict:
         f"{step_baseline:.2f}s without transfers ({100 * result['transfer_overhead_fraction']:+.1f}%); copied "
         f"{managed[-1]['copy_in_gib']:.2f} GiB in, {managed[-1]['copy_out_gib']:.2f} GiB out per step "
         f"({planned['resident_chunks']} of {planned['state_chunks']} state chunks resident)")
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(result, indent=2))
-        log(f"wrote {a.out}")
-    faulthandler.cancel_dump_traceback_later()
-    return result
+    return finish(result, a.out)
 
 
 if __name__ == "__main__":

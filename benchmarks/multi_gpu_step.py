@@ -31,10 +31,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_bench import NullTokenizer, make_prompt  # noqa: E402
+from step_bench import NullTokenizer, bench_flavor, make_prompt, sync  # noqa: E402
 from torchplex.components.optim import build_optimizer  # noqa: E402
 from torchplex.distributed.mesh import build_parallel_dims  # noqa: E402
-from torchplex.models.qwen2_5_vl.args import get_flavor  # noqa: E402
 from torchplex.models.qwen2_5_vl.build import build_model  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl  # noqa: E402
 from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
@@ -49,22 +48,6 @@ PHASES = ("vision", "rollout", "ref", "train")
 def log(*msg) -> None:
     if dist.get_rank() == 0:
         print(*msg, flush=True)
-
-
-def model_args(a):
-    args = get_flavor(a.geometry)
-    if a.geometry == "debug":
-        args = args.with_token_ids(image_token_id=2000, video_token_id=2001, vision_start_token_id=2002,
-                                   vision_end_token_id=2003)
-    if a.vision_depth:
-        args.vision.depth = a.vision_depth
-        args.vision.fullatt_block_indexes = tuple(range(a.vision_depth))[-1:]
-    return args
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -99,7 +82,7 @@ def main() -> None:
     world = dist.get_world_size()
     dims = build_parallel_dims(1, world, world)  # actor TP over every rank
     dtype = getattr(torch, a.dtype)
-    args = model_args(a)
+    args = bench_flavor(a.geometry, a.vision_depth)
     info = {"device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "gpus": world,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"), "backend": dist.get_backend(),
             "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"), "actor_tp": world, **vars(a)}

@@ -72,6 +72,19 @@ def build(args, dtype, device, seed):
     return model
 
 
+def bench_flavor(geometry: str, vision_depth: int = 0):
+    """ModelArgs of a named flavor for benchmarks: the debug flavor gets token ids inside its small vocabulary, and
+    `vision_depth` > 0 cuts the vision tower to that many blocks (the last one full-attention)."""
+    args = get_flavor(geometry)
+    if geometry == "debug":
+        args = args.with_token_ids(image_token_id=2000, video_token_id=2001, vision_start_token_id=2002,
+                                   vision_end_token_id=2003)
+    if vision_depth:
+        args.vision.depth = vision_depth
+        args.vision.fullatt_block_indexes = (vision_depth - 1,)
+    return args
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -191,10 +204,7 @@ def main():
     faulthandler.dump_traceback_later(a.watchdog_s, exit=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
-    args = get_flavor(a.geometry)
-    if a.geometry == "debug":
-        args = args.with_token_ids(image_token_id=2000, video_token_id=2001, vision_start_token_id=2002,
-                                   vision_end_token_id=2003)
+    args = bench_flavor(a.geometry)
     prompts = [make_prompt(args, a.prompt_tokens, seed=i) for i in range(a.prompts)]
     if not a.full_step:
         actor = build(args, dtype, device, 0)

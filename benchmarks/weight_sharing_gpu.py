@@ -34,10 +34,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from torchplex.distributed.mesh import build_parallel_dims  # noqa: E402
 from torchplex.distributed.weight_sharing import ShareKind, WeightSharer, shares_storage  # noqa: E402
-from torchplex.models.qwen2_5_vl.args import get_flavor  # noqa: E402
+from step_bench import bench_flavor, sync  # noqa: E402
 from torchplex.models.qwen2_5_vl.build import build_model  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl, reshard  # noqa: E402
 from torchplex.models.qwen2_5_vl.rope_index import get_rope_index  # noqa: E402
@@ -56,16 +57,6 @@ CONFIGS = [
 def log(rank: int, *msg) -> None:
     if rank == 0:
         print(*msg, flush=True)
-
-
-def model_args(a):
-    args = get_flavor(a.geometry)
-    if a.geometry == "debug":
-        args = args.with_token_ids(image_token_id=2000, video_token_id=2001, vision_start_token_id=2002,
-                                   vision_end_token_id=2003)
-    args.vision.depth = a.vision_depth
-    args.vision.fullatt_block_indexes = tuple(range(a.vision_depth))[-1:]
-    return args
 
 
 def make_batch(args, device, grid=(1, 8, 8), text_tokens=24, samples=2) -> dict:
@@ -93,11 +84,6 @@ def logits(model, b: dict) -> torch.Tensor:
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def allocated(device) -> int:
@@ -260,7 +246,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 2:
         raise SystemExit("run with torchrun --nproc-per-node 2")
-    args = model_args(a)
+    args = bench_flavor(a.geometry, a.vision_depth)
     info = {"device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "gpus": world,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"), "backend": dist.get_backend(),
             "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"), "argv": sys.argv[1:]}
