@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import faulthandler
 import json
 import statistics
@@ -138,7 +139,9 @@ def full_steps(a, args, dtype, device, prompts):
     if a.freeze_vision:
         actor.visual.requires_grad_(False)
         reference.visual = actor.visual
-    optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-7,
+    # lr 0: AdamW does all its work but leaves the weights, so every mode and repeat samples from the same policy
+    # and the token check below compares like with like.
+    optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=0.0,
                                   foreach=device.type != "cuda", fused=device.type == "cuda")
     engine = RolloutEngine(actor, kv_pool_bytes=int(a.kv_pool_gib * 2**30), compile_decode=device.type == "cuda")
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0,
@@ -153,11 +156,19 @@ def full_steps(a, args, dtype, device, prompts):
     last = {}
     for rep in range(a.repeats + 1):
         for m, runner in runners.items():
+            before = dataclasses.replace(engine.stats)
             t = time.perf_counter()
             out = runner.run(prompts, [""] * len(prompts), params)
             sync(device)
+            step_s = time.perf_counter() - t
+            st = engine.stats
+            print(f"[step_bench {time.strftime('%H:%M:%S')}] {'timed' if rep else 'warm-up'} {m} step: {step_s:.2f}s "
+                  + " ".join(f"{k} {out.timeline.total_s(k):.2f}" for k in phases)
+                  + f" | rollout: prefill {st.prefill_s - before.prefill_s:.2f} decode {st.decode_s - before.decode_s:.2f}"
+                  f" ({st.decode_steps - before.decode_steps} steps, graph capture {st.capture_s - before.capture_s:.2f})",
+                  flush=True)
             if rep:
-                times[m]["step_s"].append(time.perf_counter() - t)
+                times[m]["step_s"].append(step_s)
                 for k in phases:
                     times[m][k].append(out.timeline.total_s(k))
             last[m] = out

@@ -112,8 +112,9 @@ def test_overlapped_step_equals_decomposed_step(setup, frozen, ppo_epochs):
 
 def test_timeline_exports(setup, tmp_path):
     out, _, _ = run(setup, "overlapped", True)
-    trace = json.loads(out.timeline.to_chrome_trace(tmp_path / "t.json").read_text())
+    folder = tmp_path / "not" / "made"  # a bench's --timeline-dir: the exports create it
+    trace = json.loads(out.timeline.to_chrome_trace(folder / "t.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"vision", "rollout", "ref_prefix", "ref", "train"} <= names
-    png = out.timeline.draw(tmp_path / "t.png", title="overlapped")
+    png = out.timeline.draw(folder / "t.png", title="overlapped")
     assert png.stat().st_size > 1000

@@ -57,31 +57,44 @@ class RolloutStats:
     prefills: int = 0
     max_prefix_tokens_stored: int = 0
     pool_bytes: int = 0
+    captures: int = 0  # CUDA graphs of the decode step captured (one per pool storage: each rollout after a release)
+    capture_s: float = 0.0  # part of decode_s
 
 
 class CapturedStep:
     """A function of fixed-shape tensors captured as one CUDA graph on first call and replayed after.
 
     Inputs are copied into static buffers, the outputs are static buffers overwritten by the next replay. The
-    KV pool the step reads and writes has fixed addresses for the engine's lifetime (a new pool, a new capture).
-    Warm-up runs on a side stream first, as capture requires; everything is captured into one private pool.
+    KV pool the step reads and writes has fixed addresses for the pool's lifetime (a new pool, a new capture).
+    Warm-up runs on a side stream first, as capture requires. The capture is begun by hand rather than through
+    `torch.cuda.graph`, whose entry empties the device and pinned-host caches: after every rollout the next phases
+    would allocate all their memory from the driver again. Each capture gets its own private memory pool (a pool
+    whose graphs are all gone is freed, and cannot be handed to a later capture).
+    Mode "thread_local": copy threads of the memory manager may keep issuing copies while this thread captures.
     """
 
-    def __init__(self, fn):
+    def __init__(self, fn, on_capture: Callable[[float], None] | None = None):
         self.fn = fn
+        self.on_capture = on_capture
         self.graph = None
 
     def _capture(self, args):
+        t0 = time.perf_counter()
         self.static_in = [a.clone() for a in args]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
                 self.fn(*self.static_in)
+            self.graph = torch.cuda.CUDAGraph()
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.static_out = self.fn(*self.static_in)
+            finally:
+                self.graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.static_out = self.fn(*self.static_in)
+        if self.on_capture is not None:
+            self.on_capture(time.perf_counter() - t0)
 
     def __call__(self, *args):
         if self.graph is None:
@@ -126,6 +139,10 @@ class RolloutEngine:
         self.pool: GroupKVPool | None = None
         self.stats = RolloutStats()
         self._step_fn = None
+
+    def _count_capture(self, seconds: float) -> None:
+        self.stats.captures += 1
+        self.stats.capture_s += seconds
 
     # ---- pool lifetime -------------------------------------------------------------------------------
     def _pool_for(self, n: int, max_prompt: int, max_new: int, num_prompts: int) -> GroupKVPool:
@@ -188,7 +205,8 @@ class RolloutEngine:
                 log.info("rollout: compiling the decode step for %d groups x n=%d, prompts <= %d, <= %d new tokens "
                          "(about a minute on a GPU the first time)", pool.num_groups, pool.n, pool.max_prompt,
                          pool.max_new)
-            self._step_fn = CapturedStep(self._compiled_step) if self.use_graphs else self._compiled_step
+            self._step_fn = (CapturedStep(self._compiled_step, self._count_capture) if self.use_graphs
+                             else self._compiled_step)
         return lambda params, *state: self._step_fn(*state)
 
     @torch.no_grad()

@@ -51,6 +51,7 @@ class Timeline:
         events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}}
                    for i, lane in enumerate(lanes)]
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"traceEvents": events}))
         return path
 
@@ -76,6 +77,7 @@ class Timeline:
         ax.set_title(title)
         fig.tight_layout()
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return path
