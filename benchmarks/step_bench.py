@@ -146,11 +146,16 @@ def full_steps(a, args, dtype, device, prompts):
     engine = RolloutEngine(actor, kv_pool_bytes=int(a.kv_pool_gib * 2**30), compile_decode=device.type == "cuda")
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0,
                             stop_token_ids=long_tail_stops(args.text.vocab_size, a.mean_response))
+    plans = {"serial": PlanOptions(mode="serial"), "decomposed": PlanOptions(mode="decomposed"),
+             "overlapped": PlanOptions(mode="overlapped", ref_prefix_in_window=a.window)}
+    if a.ref_prefix_graphs:  # both prefix modes again with the bucketed reference prefix: its gain in each
+        plans["decomposed_graphs"] = PlanOptions(mode="decomposed", ref_prefix_graphs=True)
+        plans["overlapped_graphs"] = PlanOptions(mode="overlapped", ref_prefix_in_window=a.window,
+                                                 ref_prefix_graphs=True)
     runners = {m: StepRunner(actor, reference, engine, optimizer, None, NullTokenizer(),
                              StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=a.micro_batch,
-                                          loss=PolicyLossConfig(kl_coef=0.01),
-                                          plan=PlanOptions(mode=m, ref_prefix_in_window=a.window)))
-               for m in ("serial", "decomposed", "overlapped")}
+                                          loss=PolicyLossConfig(kl_coef=0.01), plan=plan))
+               for m, plan in plans.items()}
     phases = ("vision", "rollout", "ref", "train")
     times = {m: {k: [] for k in phases + ("step_s",)} for m in runners}
     last = {}
@@ -182,6 +187,12 @@ def full_steps(a, args, dtype, device, prompts):
                                                               last["serial"].experience.tokens.cpu()))
     result["speedup_vs_serial"] = {m: result["serial"]["step_s"] / result[m]["step_s"] for m in runners}
     result["overlapped_vs_decomposed"] = result["decomposed"]["step_s"] / result["overlapped"]["step_s"]
+    if a.ref_prefix_graphs:
+        result["overlapped_graphs_vs_decomposed"] = result["decomposed"]["step_s"] / result["overlapped_graphs"]["step_s"]
+        mask = last["decomposed"].experience.mask
+        for m in ("decomposed_graphs", "overlapped_graphs"):  # compiled kernels: equal up to rounding, not bitwise
+            diff = last[m].experience.ref_logprobs - last["decomposed"].experience.ref_logprobs
+            result[m]["ref_logprobs_max_abs_diff_vs_decomposed"] = diff[mask].abs().max().item()
     result["schedule_overlapped"] = str(last["overlapped"].schedule)
     if a.timeline_dir:
         for m, out in last.items():
@@ -209,6 +220,8 @@ def main():
     ap.add_argument("--timeline-dir", default="", help="with --full-step: write timeline PNG + Chrome trace here")
     ap.add_argument("--window", action="store_true", help="overlapped mode places the reference prefix in the "
                                                             "decode window (the planner's default is after rollout)")
+    ap.add_argument("--ref-prefix-graphs", action="store_true", help="with --full-step: also run decomposed and "
+                    "overlapped with the reference prefix as bucketed compiled graphs (CUDA graphs on a GPU)")
     ap.add_argument("--out", default="")
     ap.add_argument("--watchdog-s", type=int, default=540, help="dump stacks and exit if still running")
     a = ap.parse_args()

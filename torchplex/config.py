@@ -150,6 +150,9 @@ class MetricsConfig:
 class RuntimeConfig:
     mode: Literal["serial", "decomposed", "overlapped"] = "serial"
     checkpoint_prefix: bool = False  # decomposed/overlapped: recompute the prefix in backward instead of holding it
+    # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket (CUDA graphs on a GPU);
+    # needs a reference of plain tensors (tp 1, no FSDP2 sharding)
+    ref_prefix_graphs: bool = False
 
 
 @dataclass

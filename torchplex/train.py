@@ -127,7 +127,8 @@ class Trainer:
                                 ppo_epochs=a.ppo_epochs, grad_clip=o.grad_clip, loss=loss_cfg,
                                 # the fused actor prefix's K/V hold the actor's TP heads, not the rollout's
                                 plan=PlanOptions(mode=cfg.runtime.mode,
-                                                 fuse_actor_prefix=cfg.parallelism.rollout_tp == cfg.parallelism.tp),
+                                                 fuse_actor_prefix=cfg.parallelism.rollout_tp == cfg.parallelism.tp,
+                                                 ref_prefix_graphs=cfg.runtime.ref_prefix_graphs),
                                 checkpoint_prefix=cfg.runtime.checkpoint_prefix)
         self.memory = self._memory_manager() if cfg.memory.managed else None
         self.runner = StepRunner(self.actor, self.reference, self.engine, self.optimizer, self.lr_scheduler,

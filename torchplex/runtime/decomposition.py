@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..data.batching import collate
 from ..models.attention import PrefixState
+from .prefix_graphs import PrefixGraphs
 from .scoring import ScoreRequest, TokenCounts, _patches, response_scores
 
 
@@ -154,6 +155,7 @@ class DecomposedScorer:
         self._deferred: list[DeferredPrefix] = []  # prefix parts of scored losses, until `backward` runs them
         self.vision = vision_cache or VisionCache()
         self.store = PrefixStore()
+        self.prefix_graphs: dict[int, PrefixGraphs] = {}  # id(frozen model) -> its prefix graphs (no-grad prefixes)
         self.counts = TokenCounts()
         self.serial_equivalent_tokens = 0  # what SerialScorer would have run for the same requests
 
@@ -198,6 +200,15 @@ class DecomposedScorer:
         held = self.store.take(model, prompts)
         if held is not None:
             return held, batch
+        graphs = self.prefix_graphs.get(id(model))
+        if graphs is not None and not torch.is_grad_enabled():
+            states = []
+            for i, p in enumerate(prompts):  # one prompt per graph: its bucket is its own length's
+                length = len(p.input_ids)
+                image, video = self.visual_embeds(model, [p])
+                states.append(graphs(batch.input_ids[i:i + 1, :length], batch.position_ids[:, i:i + 1, :length],
+                                     batch.next_position[i:i + 1], image_embeds=image, video_embeds=video))
+            return merge_prefix_states(states), batch
         image, video = self.visual_embeds(model, prompts)
         run = lambda img, vid: model.prefix_forward(batch.input_ids, batch.position_ids, batch.next_position,
                                                      batch.lengths, image_embeds=img, video_embeds=vid)

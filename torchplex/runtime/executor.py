@@ -23,6 +23,7 @@ from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
 from .planner import PlanOptions, Schedule, StepShape, plan_step
+from .prefix_graphs import PrefixGraphs, graphs_supported
 from .scoring import SerialScorer
 from .timeline import Timeline
 
@@ -64,6 +65,11 @@ class StepRunner:
         mode = settings.plan.mode
         self.scorer = (SerialScorer(pad_id) if mode == "serial"
                        else DecomposedScorer(pad_id, checkpoint_prefix=settings.checkpoint_prefix))
+        if settings.plan.ref_prefix_graphs and mode != "serial" and reference is not None:
+            if not graphs_supported(reference):
+                raise ValueError("runtime.ref_prefix_graphs needs a reference model of plain tensors (tp 1, not FSDP2-"
+                                 "sharded); turn it off for this parallelism")
+            self.scorer.prefix_graphs[id(reference)] = PrefixGraphs(reference)
         self.device = next(actor.parameters()).device
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 

@@ -46,6 +46,9 @@ class PlanOptions:
     # overlapped: reference prefix K/V inside the decode window. Off by default: on the H200 the slices did not
     # hide behind the decode graph (docs/benchmarks.md), so the planner predicts no gain from moving them there.
     ref_prefix_in_window: bool = False
+    # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket, captured on CUDA
+    # (runtime/prefix_graphs.py): an eager prefix is host-bound, ~0.17 s per 1000-token prompt on the H200.
+    ref_prefix_graphs: bool = False
     held_activation_budget_bytes: int = 2**62     # fusion holds prefix activations across the rollout
 
 
@@ -145,6 +148,9 @@ def plan_step(shape: StepShape, options: PlanOptions) -> Schedule:
             if overlapped:
                 s.reasons.append("reference prefix after rollout: window slices beside the decode graph measured no "
                                  "gain on the H200 (set ref_prefix_in_window to place them there)")
+        if options.ref_prefix_graphs:
+            s.reasons.append("reference prefix as compiled graphs per prompt-length bucket (replayed CUDA graphs on a "
+                             "GPU): microseconds of host time per prompt instead of one launch per kernel")
         s.phases.append(Phase("ref_suffix", depends_on=("rollout", "ref_prefix"), tokens=R))
     train_deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ()) + (("actor_prefix",) if fuse else ())
     prefix_tokens = (shape.ppo_epochs - 1) * P if fuse else shape.ppo_epochs * P
