@@ -5,7 +5,6 @@ import copy
 import pytest
 import torch
 
-from torchplex.data.batching import collate
 from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams

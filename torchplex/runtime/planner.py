@@ -47,7 +47,7 @@ class PlanOptions:
     # hide behind the decode graph (docs/benchmarks.md), so the planner predicts no gain from moving them there.
     ref_prefix_in_window: bool = False
     # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket, captured on CUDA
-    # (runtime/prefix_graphs.py): an eager prefix is host-bound, ~0.17 s per 1000-token prompt on the H200.
+    # (runtime/prefix_graphs.py): an eager prefix is host-bound (3B, 987 tokens: ~0.17 s of host time on the H200).
     ref_prefix_graphs: bool = False
     held_activation_budget_bytes: int = 2**62     # fusion holds prefix activations across the rollout
 

@@ -1,7 +1,7 @@
 """The reference model's prompt prefix as compiled graphs, one per prompt-length bucket, captured on CUDA.
 
-Why: measured on the H200 (docs/benchmarks.md, long-tailed whole steps), an eager 1000-token prefix forward of a
-3B/7B reference costs ~0.17 s of *host* time, launch after launch. Run as a decode-window slice it stalls the
+Why: measured on the H200 (docs/benchmarks.md, long-tailed whole steps), an eager 987-token prefix forward of the
+3B reference held the host ~0.17 s, launch after launch. Run as a decode-window slice it stalls the
 decode loop for that long; run in the reference phase it is most of that phase. A captured graph launches in
 microseconds, so the only cost left is the GPU's.
 
