@@ -12,11 +12,12 @@ import torch
 class CapturedStep:
     """A function of fixed-shape tensors captured as one CUDA graph on first call and replayed after.
 
-    Inputs are copied into static buffers, the outputs are static buffers overwritten by the next replay. The
-    KV pool the step reads and writes has fixed addresses for the pool's lifetime (a new pool, a new capture).
-    Warm-up runs on a side stream first, as capture requires. The capture is begun by hand rather than through
-    `torch.cuda.graph`, whose entry empties the device and pinned-host caches: after every rollout the next phases
-    would allocate all their memory from the driver again. Each capture gets its own private memory pool (a pool
+    Inputs are copied into static buffers, the outputs are static buffers overwritten by the next replay. What the
+    function reads besides its inputs (the rollout's KV pool, the weights) must keep its addresses while the graph
+    is replayed: a new KV pool or moved weights need a new capture. Warm-up runs on a side stream first, as capture
+    requires. The capture is begun by hand rather than through `torch.cuda.graph`, whose entry empties the device
+    and pinned-host caches: after every rollout's recapture the next phases would allocate all their memory from
+    the driver again. Each capture gets its own private memory pool (a pool
     whose graphs are all gone is freed, and cannot be handed to a later capture).
     Mode "thread_local": copy threads of the memory manager may keep issuing copies while this thread captures.
     """
