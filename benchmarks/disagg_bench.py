@@ -48,7 +48,7 @@ from torchplex.distributed.mesh import build_parallel_dims, init_distributed  # 
 from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl  # noqa: E402
 from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
-from torchplex.rollout.sampling import SamplingParams  # noqa: E402
+from torchplex.rollout.sampling import SamplingParams, sample_seeds as seeds_of  # noqa: E402
 from torchplex.runtime.disaggregation import RemoteRollout, WeightTransfer, send_outputs  # noqa: E402
 from torchplex.runtime.executor import StepRunner, StepSettings  # noqa: E402
 from torchplex.runtime.planner import PlanOptions  # noqa: E402
@@ -67,7 +67,7 @@ def sample_seeds(step: int, group: int, global_indices: list[int]) -> list[list[
     """Per-sample seeds keyed on (step, the prompt's global index), as Trainer.sample_seeds: a prompt draws the same
     samples in every layout. The seed goes in as data, not in SamplingParams: the engine recaptures its decode
     graph whenever the SamplingParams change."""
-    return [[(step * 1009) * 1_000_003 + g * group + j for j in range(group)] for g in global_indices]
+    return seeds_of(step * 1009, group, global_indices)
 
 
 def fingerprint(tensors) -> list[int]:

@@ -37,7 +37,7 @@ from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl, reshard
 from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
 from .rl.losses import PolicyLossConfig
 from .rl.rewards import format_reward, is_correct
-from .rollout.sampling import SamplingParams
+from .rollout.sampling import SamplingParams, sample_seeds
 from .runtime.executor import StepRunner, StepSettings
 from .runtime.memory import MemoryManager, MemoryPlan, module_group, optimizer_state_group
 from .runtime.grpo_step import all_reduce_sums, kl_to_reference
@@ -204,8 +204,7 @@ class Trainer:
         whatever the number of data-parallel ranks or the samples skipped before it. With one rank and no skips
         this is the engine's default numbering.
         """
-        n = params.n
-        return [[params.seed * 1_000_003 + g * n + j for j in range(n)] for g in global_indices]
+        return sample_seeds(params.seed, params.n, global_indices)
 
     # ---- supervised warm-up ---------------------------------------------------------------------------
     def sft_warmup(self) -> None:

@@ -21,11 +21,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..data.batching import collate, encode_visuals
 from ..components.captured_step import CapturedStep
+from ..data.batching import collate, encode_visuals
 from ..models.attention import PrefixState
 from .kv_pool import DECODE_KERNELS, GroupedDecodeAttention, GroupKVPool, PoolTooSmallError
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, sample_seeds as default_seeds  # generate() has a sample_seeds
 
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class RolloutEngine:
         if too_long:
             raise PoolTooSmallError(f"prompts {too_long} are longer than the pool's max_prompt {pool.max_prompt}")
         if sample_seeds is None:
-            sample_seeds = [[params.seed * 1_000_003 + i * n + j for j in range(n)] for i in range(len(prompts))]
+            sample_seeds = default_seeds(params.seed, n, range(len(prompts)))
         prefill_fn = prefill_fn or self.default_prefill
         if hasattr(self.model, "unshard"):  # FSDP2: decode calls submodules of the root unit directly
             self.model.unshard()

@@ -12,6 +12,7 @@ logits, so rollout and scoring agree exactly. Greedy decoding returns log_softma
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -36,6 +37,12 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 or self.max_new_tokens < 1:
             raise ValueError("SamplingParams.top_k must be >= 0 and max_new_tokens >= 1")
+
+
+def sample_seeds(seed: int, n: int, prompt_indices: Sequence[int]) -> list[list[int]]:
+    """The n samples' seeds of each prompt, keyed on (the step's seed, the prompt's index, the sample). Keyed on a
+    prompt's index in the whole batch, a prompt draws the same samples whichever rank or replica samples it."""
+    return [[seed * 1_000_003 + g * n + j for j in range(n)] for g in prompt_indices]
 
 
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -35,13 +35,7 @@ import torch.distributed as dist
 from ..distributed.mesh import ParallelDims
 from ..distributed.weight_sharing import WeightSharer
 from ..rollout.engine import RolloutEngine, SampleOutput
-from ..rollout.sampling import SamplingParams
-
-
-def default_sample_seeds(params: SamplingParams, num_prompts: int) -> list[list[int]]:
-    """The engine's numbering when no seeds are given (kept here so a split batch numbers like a whole one)."""
-    n = params.n
-    return [[params.seed * 1_000_003 + i * n + j for j in range(n)] for i in range(num_prompts)]
+from ..rollout.sampling import SamplingParams, sample_seeds as default_seeds  # generate() has a sample_seeds
 
 
 class SharedRolloutEngine:
@@ -84,7 +78,8 @@ class SharedRolloutEngine:
         """Outputs[prompt][sample] for this rank's prompts, as RolloutEngine.generate. `prefill_fn` (bound to the
         actor) and `on_step` are not used: see the module doc."""
         del on_step, prefill_fn
-        seeds = [list(s) for s in (sample_seeds or default_sample_seeds(params, len(prompts)))]
+        # the engine's numbering when none are given, fixed before the batch is split so each part numbers alike
+        seeds = [list(s) for s in (sample_seeds or default_seeds(params.seed, params.n, range(len(prompts))))]
         self.resync_seconds.append(self.sharer.resync())
         try:
             if self.layout.t_roll < self.layout.t_train:
