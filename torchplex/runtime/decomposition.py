@@ -110,7 +110,7 @@ class DeferredPrefix:
         return [r for r, _ in pairs], [g for _, g in pairs]
 
     def reached(self) -> bool:
-        return any(leaf is not root and leaf.grad is not None for root, leaf in zip(self.roots, self.leaves))
+        return bool(self.gradients()[0])
 
 
 class PrefixStore:

@@ -148,16 +148,6 @@ def _global_totals(mask: torch.Tensor, max_len: int, dp_size: int, dp_group) -> 
     return totals
 
 
-def backward(scorer: Scorer, loss: torch.Tensor) -> None:
-    """Backpropagate a loss of `scorer.score` outputs: through the scorer when it splits the backward
-    (DecomposedScorer: suffix part, then prefix part), else loss.backward()."""
-    run = getattr(scorer, "backward", None)
-    if run is None:
-        loss.backward()
-    else:
-        run(loss)
-
-
 def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler, loss_cfg: PolicyLossConfig,
                 *, temperature: float, micro_batch_size: int, whole_groups: bool, ppo_epochs: int,
                 grad_clip: float, max_len: int, dp_size: int = 1, dp_group=None) -> TrainResult:
@@ -193,7 +183,7 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
                                       loss_cfg, ref_logprobs=ref, total_tokens=totals.total_tokens,
                                       total_seqs=totals.total_seqs, max_len=totals.max_len)
             # FSDP2 averages gradients over data-parallel ranks; the loss is already normalised globally.
-            backward(scorer, loss * dp_size)
+            scorer.backward(loss * dp_size)  # decomposed: the suffix part, then the prefix part
             del logp, loss  # the spent graph (its nodes keep the prefix leaves) goes before the next forward
             epoch_stats.append(stats)
         grad_norm = clip_grad_norm([p for p in actor.parameters() if p.requires_grad], grad_clip)

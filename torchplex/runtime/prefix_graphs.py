@@ -75,7 +75,6 @@ class PrefixGraphs:
         self._decode = torch.compile(self._layers, dynamic=False) if compile else self._layers
         self._captured: dict[int, CapturedStep] = {}
         self._weights_at: tuple[int, ...] = ()
-        self.captures = 0
         self.calls = 0
 
     def _layers(self, h: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -96,7 +95,6 @@ class PrefixGraphs:
         if width not in self._captured:
             self._captured[width] = CapturedStep(self._decode, on_capture=lambda s: log.info(
                 "reference prefix: captured the %d-token bucket in %.2fs", width, s))
-            self.captures += 1
         return self._captured[width](h, position_ids)
 
     @torch.no_grad()

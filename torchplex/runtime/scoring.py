@@ -57,6 +57,9 @@ class Scorer(Protocol):
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(S, R) log-probs of the response tokens (differentiable when grad is enabled), and entropies."""
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate a loss of this scorer's `score` outputs into the model's .grad."""
+
 
 def response_scores(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool,
                     chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -95,6 +98,9 @@ class SerialScorer:
         self.counts.add(TokenCounts(prefix_tokens=int(prompt_lens.sum()), response_tokens=int(request.lengths.sum()),
                                     vision_patches=sum(_patches(p) for p in prompts)))
         return response_scores(model, picked, request.tokens, temperature, with_entropy)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
 
 
 def _patches(prompt) -> int:
