@@ -26,7 +26,7 @@ register `master_group`, `state_group` and `grads_group` with the memory plan. C
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -34,12 +34,13 @@ from torch import Tensor
 from ..runtime.memory import TensorGroup
 
 
-def split_chunks(numels: list[int], chunk_numel: int) -> list[list[int]]:
-    """Consecutive index ranges whose numel stays within `chunk_numel` (a larger tensor gets a chunk of its own)."""
+def split_chunks(numels: list[int], chunk_numel: int, keys: Sequence | None = None) -> list[list[int]]:
+    """Consecutive index ranges whose numel stays within `chunk_numel` (a larger tensor gets a chunk of its own);
+    with `keys`, a chunk also ends where the key changes (a dtype: one flat buffer per chunk)."""
     chunks: list[list[int]] = [[]]
     total = 0
     for i, n in enumerate(numels):
-        if chunks[-1] and total + n > chunk_numel:
+        if chunks[-1] and (total + n > chunk_numel or (keys is not None and keys[i] != keys[chunks[-1][0]])):
             chunks.append([])
             total = 0
         chunks[-1].append(i)

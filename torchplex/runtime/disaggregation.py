@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..components.master_weights import split_chunks
 from ..rollout.engine import RolloutStats, SampleOutput
 
 
@@ -35,17 +36,7 @@ class TransferStats:
 
 def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
     """Consecutive runs of same-dtype tensors of at most `bucket_bytes` (a larger tensor gets a bucket alone)."""
-    buckets: list[list[int]] = []
-    size = 0
-    for i, t in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        if buckets and tensors[buckets[-1][0]].dtype == t.dtype and size + nbytes <= bucket_bytes:
-            buckets[-1].append(i)
-            size += nbytes
-        else:
-            buckets.append([i])
-            size = nbytes
-    return buckets
+    return split_chunks([t.numel() * t.element_size() for t in tensors], bucket_bytes, keys=[t.dtype for t in tensors])
 
 
 class WeightTransfer:
