@@ -50,7 +50,7 @@ from torchplex.components.master_weights import MasterWeights  # noqa: E402
 from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing  # noqa: E402
 from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
-from torchplex.rollout.engine import RolloutEngine  # noqa: E402
+from torchplex.rollout.engine import PROMPT_BUCKET, RolloutEngine  # noqa: E402
 from torchplex.rollout.kv_pool import GroupKVPool  # noqa: E402
 from torchplex.rollout.sampling import SamplingParams  # noqa: E402
 from torchplex.runtime.executor import StepRunner, StepSettings  # noqa: E402
@@ -74,7 +74,7 @@ def transient_estimates(args, a, prompt_tokens: int, vision_trainable: bool,
     kv_dim = t.num_kv_heads * t.head_dim
     groups = max(1, min(a.prompts, a.max_batch // a.group))
     kv = groups * GroupKVPool.group_bytes(t.num_layers, t.num_kv_heads, t.head_dim, a.group,
-                                          -(-prompt_tokens // 64) * 64, a.response, torch.bfloat16)
+                                          -(-prompt_tokens // PROMPT_BUCKET) * PROMPT_BUCKET, a.response, torch.bfloat16)
     work = layer_workspace_bytes(t.hidden_size, kv_dim, t.intermediate_size)
     mb_prompts = max(1, a.micro_batch // a.group)  # whole groups per micro-batch: one prefix, G suffixes
     prefix, suffix = mb_prompts * prompt_tokens, mb_prompts * a.group * a.response

@@ -246,10 +246,10 @@ class MemoryPlan:
         lines += ["", f"budget {budget}; host buffers {self.host_bytes / GiB:.2f} GiB; copied per step: in "
                       f"{self.copy_in_bytes / GiB:.2f} GiB, out {self.copy_out_bytes / GiB:.2f} GiB",
                   f"{'phase':<11}{'peak':>8}{'naive':>8}{'exposed':>8}  resident | offload | load | prefetch"]
+        kept = {n: k for n, k in self.resident_chunks.items() if k}
         for r in self.phases:
             flag = "" if r.fits else "  OVER BUDGET"
             drain = " (drained)" if r.drain else ""
-            kept = {g.name: g.resident_chunks for g in self.groups if g.resident_chunks}
             resident = (r.resident + [f"{n}[:{k}]" for n, k in kept.items()]
                         + [f"{n}(stream<={r.stream_window_bytes / GiB:.2f})" for n in r.streamed])
             prefetch = r.prefetch + [f"{n}[{kept.get(n) or ''}:{kept.get(n, 0) + k}]"
