@@ -1,12 +1,17 @@
 """Decode-step speed of the native rollout engine against its bandwidth floor and transformers' generate.
 
-    python benchmarks/decode_bench.py --geometry 7B --batch 64 256 --context 2048 --steps 64 --hf --baseline
+    python benchmarks/decode_bench.py --geometry 7B --batch 64 256 --group 1 8 --context 2048 --steps 64 --hf \
+        --hf-batch 64 256
 
 Random bf16 weights with the Qwen2.5-VL language geometry (the vision tower plays no part in decode and is cut
-to one block). Each sequence has its own 2048-token context (n=1 groups), already in the KV pool, so the timed
-loop is pure decode: embed, 28 layers over the cache, LM head, sampling. The floor is the bytes one step must
-read (weights + every sequence's K/V) over the copy bandwidth measured in the same process. transformers runs
-`generate` on the same prompts; its per-step time is (t(1 + k new tokens) - t(1 new token)) / k.
+to one block). A batch of B sequences is B/n prompt groups of n samples (`--group`): n=1 gives every sequence its
+own 2048-token context, n=8 is a GRPO rollout (8 samples of each prompt reading that prompt's one copy of K/V).
+The contexts are already in the KV pool, so the timed loop is pure decode: embed, 28 layers over the cache, LM
+head, sampling. The floor is the bytes one step must read (weights + every prompt's K/V, once) over the copy
+bandwidth measured in the same process. transformers runs `generate` on B sequences of the same length (it has no
+shared-prefix decode: a group of n samples is n sequences with n copies of the prompt's K/V, the same work as B
+distinct prompts); its per-step time is the median time between two of its generated tokens inside one `generate`
+call (a stopping criterion that only timestamps each step).
 Also runs a long loop of replays (--long-steps) under a watchdog, since long CUDA-graph replay loops hung on
 this machine before (../shared/probes/FINDINGS.md).
 """
@@ -17,6 +22,7 @@ import argparse
 import faulthandler
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -49,18 +55,21 @@ def copy_bandwidth(device) -> float:
 
 def native_decode(model, batch: int, context: int, steps: int, warmup: int, compile_decode: bool,
                   kernel: str | None = None, graphs: bool = True, profile_dir: str = "",
-                  flex_options: dict | None = None):
-    """Seconds per decode step (and the first step's seconds: compilation + capture)."""
+                  flex_options: dict | None = None, group: int = 1):
+    """Seconds per decode step (and the first step's seconds: compilation + capture) of `batch` sequences in
+    groups of `group` samples sharing one prompt context."""
     args = model.args
+    if batch % group:
+        raise ValueError(f"--batch {batch} is not a multiple of --group {group}")
     engine = RolloutEngine(model, kv_pool_bytes=200 * 2**30, max_batch=batch, compile_decode=compile_decode,
                            decode_kernel=kernel, flex_options=flex_options)
     engine.use_graphs = engine.use_graphs and graphs
     max_new = steps + warmup + 2 + 4  # 4: the profiled steps
-    pool = engine._pool_for(1, context, max_new, batch)
+    pool = engine._pool_for(group, context, max_new, batch // group)
     pool.prompt_len[:] = context
     for t in pool.prefix_k + pool.prefix_v:
         t.normal_(0, 1)
-    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=max_new, seed=0)
+    params = SamplingParams(n=group, temperature=1.0, max_new_tokens=max_new, seed=0)
     step_fn = engine._step(params)
     dev = model.output_weight.device
     tokens = torch.randint(0, args.text.vocab_size, (batch,), device=dev)
@@ -86,7 +95,8 @@ def native_decode(model, batch: int, context: int, steps: int, warmup: int, comp
     torch.cuda.synchronize()
     per_step = (time.perf_counter() - t) / steps
     if profile_dir:
-        kernel_table(lambda: [run(warmup + steps + i) for i in range(4)], Path(profile_dir), f"b{batch}_{engine.decode_kernel}")
+        kernel_table(lambda: [run(warmup + steps + i) for i in range(4)], Path(profile_dir),
+                     f"b{batch}_n{group}_{engine.decode_kernel}")
     kv_bytes = sum(x.numel() * x.element_size() for x in pool.prefix_k + pool.prefix_v)
     engine.release()
     return per_step, kv_bytes, first_s
@@ -124,39 +134,64 @@ def attention_check(model, device) -> float:
     return ((flex - ref).abs().max() / ref.abs().max()).item()
 
 
-def hf_decode(args, batch: int, context: int, new_tokens: int):
+def hf_model(args):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     cfg = Qwen2_5_VLConfig(**args.to_hf_config())
     with torch.device("cuda"):
-        hf = Qwen2_5_VLForConditionalGeneration(cfg).to(torch.bfloat16).eval()
-    ids = torch.randint(0, 1000, (batch, context), device="cuda")
+        return Qwen2_5_VLForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+
+
+class StepClock:
+    """A transformers stopping criterion that never stops: it timestamps each generated token (after a device
+    sync), so per-step decode time comes from inside one `generate` call, free of the prefill's run-to-run noise."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def hf_decode(hf, batch: int, context: int, new_tokens: int, warm_up: bool = True) -> dict:
+    """transformers' generate on `batch` sequences of `context` random tokens: the median time between two
+    generated tokens (per decode step), and the generate call's wall time."""
+    from transformers import StoppingCriteriaList
+
+    ids = torch.randint(0, 1000, (batch, context), device=hf.device)
     mask = torch.ones_like(ids)
 
-    def timed(k):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
+    def generate(k, clock=None):
         with torch.no_grad():
             hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=True,
-                        pad_token_id=0)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
+                        pad_token_id=0, stopping_criteria=StoppingCriteriaList([clock] if clock else []))
 
-    timed(2)
-    t1, tk = timed(1), timed(1 + new_tokens)
+    if warm_up:
+        generate(2)
+    clock = StepClock()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    generate(1 + new_tokens, clock)
+    wall = time.perf_counter() - t
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:])]  # the first token comes with the prefill
     torch.cuda.empty_cache()
-    return (tk - t1) / new_tokens
+    return {"step_ms": statistics.median(steps) * 1e3, "step_ms_min": min(steps) * 1e3,
+            "step_ms_max": max(steps) * 1e3, "steps": len(steps), "generate_s": wall}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--geometry", default="7B")
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--group", type=int, nargs="+", default=[1], help="samples per prompt group: 1 = every sequence "
+                    "its own context; 8 = GRPO-shaped (8 samples read one prompt's K/V)")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--hf", action="store_true", help="also time transformers' generate")
-    ap.add_argument("--hf-new-tokens", type=int, default=16)
+    ap.add_argument("--hf-new-tokens", type=int, default=32)
     ap.add_argument("--hf-batch", type=int, nargs="+", default=[64], help="batches to time transformers at")
     ap.add_argument("--eager", action="store_true", help="no compile, no CUDA graph: launch every kernel each step")
     ap.add_argument("--baseline", action="store_true",
@@ -171,6 +206,26 @@ def main():
     faulthandler.dump_traceback_later(a.watchdog_s, exit=True)
     dev = torch.device("cuda")
     args = bench_flavor(a.geometry, vision_depth=1)  # the tower plays no part in decode
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "geometry": a.geometry, "context": a.context, "cuda_graph": not a.eager,
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")}
+    hf_ms = {}
+    if a.hf:  # first, while the GPU holds nothing else: a batch-256 prefill of 2048 tokens needs most of the card
+        import transformers
+        info["transformers"] = transformers.__version__
+        hf = hf_model(args)
+        for i, batch in enumerate(a.hf_batch):
+            t = time.perf_counter()
+            try:
+                timing = hf_decode(hf, batch, a.context, a.hf_new_tokens, warm_up=i == 0)
+                hf_ms[batch] = timing["step_ms"]
+            except torch.OutOfMemoryError as err:
+                timing, hf_ms[batch] = {"error": str(err)[:200]}, None
+            torch.cuda.empty_cache()
+            info.setdefault("transformers_steps", {})[batch] = timing
+            print(json.dumps({"hf_batch": batch, **timing, "wall_s": time.perf_counter() - t}), flush=True)
+        del hf
+        torch.cuda.empty_cache()
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Qwen2_5_VLModel(args)
@@ -178,22 +233,11 @@ def main():
     model.init_weights()
     model.eval().requires_grad_(False)  # the timed loop calls the step directly, outside generate's no_grad
     bw = copy_bandwidth(dev)
+    info["copy_bandwidth_GBps"] = bw / 1e9
     lm = model.layers, model.tok_embeddings, model.norm
     weight_bytes = sum(p.numel() * p.element_size() for m in lm for p in m.parameters())
     weight_bytes += model.output_weight.numel() * model.output_weight.element_size() * (model.output is not None)
     rows = []
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "copy_bandwidth_GBps": bw / 1e9, "geometry": a.geometry, "context": a.context,
-            "cuda_graph": not a.eager, "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")}
-    hf_ms = {}
-    for batch in a.hf_batch if a.hf else []:  # first, while the GPU holds nothing of ours but the weights
-        try:
-            hf_ms[batch] = hf_decode(args, batch, a.context, a.hf_new_tokens) * 1e3
-        except torch.OutOfMemoryError as err:
-            hf_ms[batch] = None
-            print(f"transformers at batch {batch}: {str(err)[:120]}")
-            torch.cuda.empty_cache()
-        print(json.dumps({"hf_batch": batch, "hf_step_ms": hf_ms[batch]}), flush=True)
     if not a.eager:
         try:
             info["flex_vs_matmul_max_rel_err"] = attention_check(model, dev)
@@ -201,29 +245,34 @@ def main():
             info["flex_vs_matmul_max_rel_err"] = repr(err)[:2000]
         print(json.dumps({"flex_vs_matmul_max_rel_err": info["flex_vs_matmul_max_rel_err"]}), flush=True)
     tuned = json.loads(Path(a.flex_options_file).read_text()) if a.flex_options_file else {}
-    variants = [("compiled", not a.eager, None, True)]
-    if a.baseline:
-        variants += [("compiled_matmul", True, "matmul", True), ("eager_matmul", False, "matmul", False)]
-    for batch in a.batch:
-        for label, compile_decode, kernel, graphs in variants:
-            if label != "compiled" and batch != a.batch[0]:
-                continue
-            options = tuned.get(f"{batch}x7x{a.context}", {}).get("options") if label == "compiled" else None
-            try:
-                per_step, kv_bytes, first_s = native_decode(model, batch, a.context, a.steps, a.warmup,
-                                                            compile_decode, kernel, graphs, a.profile_dir, options)
-            except Exception as err:  # keep the other variants' numbers
-                print(json.dumps({"batch": batch, "variant": label, "error": repr(err)[:2000]}), flush=True)
-                continue
-            # One step reads every weight once (the tied/untied LM head included) and every cached K/V once.
-            floor = (weight_bytes + kv_bytes) / bw
-            row = {"batch": batch, "variant": label, "flex_options": options,
-                   "step_ms": per_step * 1e3, "tokens_per_s": batch / per_step,
-                   "floor_ms": floor * 1e3, "fraction_of_floor": floor / per_step, "first_step_s": first_s}
-            if hf_ms.get(batch):
-                row.update(hf_step_ms=hf_ms[batch], speedup_vs_hf=hf_ms[batch] / (per_step * 1e3))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for group in a.group:
+        variants = [("compiled", not a.eager, None, True)]
+        if a.baseline:
+            variants += [("compiled_matmul", True, "matmul", True), ("eager_matmul", False, "matmul", False)]
+        for batch in a.batch:
+            for label, compile_decode, kernel, graphs in variants:
+                if label != "compiled" and batch != a.batch[0]:
+                    continue
+                options = tuned.get(f"{batch}x7x{a.context}", {}).get("options") if group == 1 else None
+                t = time.perf_counter()
+                try:
+                    per_step, kv_bytes, first_s = native_decode(model, batch, a.context, a.steps, a.warmup,
+                                                                compile_decode, kernel, graphs, a.profile_dir,
+                                                                options, group)
+                except Exception as err:  # keep the other variants' numbers
+                    print(json.dumps({"batch": batch, "group": group, "variant": label, "error": repr(err)[:2000]}),
+                          flush=True)
+                    continue
+                # One step reads every weight once (the tied/untied LM head included) and each prompt's K/V once.
+                floor = (weight_bytes + kv_bytes) / bw
+                row = {"batch": batch, "group": group, "variant": label, "flex_options": options,
+                       "step_ms": per_step * 1e3, "tokens_per_s": batch / per_step,
+                       "floor_ms": floor * 1e3, "fraction_of_floor": floor / per_step, "first_step_s": first_s,
+                       "wall_s": time.perf_counter() - t}
+                if hf_ms.get(batch):
+                    row.update(hf_step_ms=hf_ms[batch], speedup_vs_hf=hf_ms[batch] / (per_step * 1e3))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     if a.long_steps:
         t = time.perf_counter()
         per_step, _, _ = native_decode(model, a.batch[0], a.context, a.long_steps, 2, not a.eager)

@@ -94,10 +94,12 @@ class GroupKVPool:
 DECODE_KERNELS = ("matmul", "flex")
 FLEX_BLOCK = 128  # K/V block of the flex kernels' block masks
 # Kernel options of the prompt call. Measured on an H200 (benchmarks/probes/flex_decode_tune.py, 7B geometry, 2048
-# prompt tokens, 7 query rows per K/V head): 64 groups x 4 heads ran at 80.8 us with 4 warps against 85.4 us with
-# flex's default 2 (and 65 us vs 92 us inside the whole decode step); 256 groups were within 1 % either way;
-# more split-K partitions were slower at both sizes.
-FLEX_PROMPT_OPTIONS = {"num_warps": 4}
+# prompt tokens, 7 query rows per K/V head): 64 groups x 4 heads ran at 80.8 us with 64-key blocks, 3 pipeline
+# stages and 4 warps against 85.4 us with 2 warps (and 65 us vs 92 us inside the whole decode step); 256 groups were
+# within 1 % either way; more split-K partitions were slower at both sizes. All three are given: inductor's own
+# default on sm_90 has a single stage (torch 2.11-2.13), and num_warps=4 alone ran the whole step at flex's
+# default speed (7.97 ms at batch 64, 2026-12-01, against 7.20 ms with the three).
+FLEX_PROMPT_OPTIONS = {"BLOCK_N": 64, "num_stages": 3, "num_warps": 4}
 
 
 def _length_block_mask(lengths: torch.Tensor, inside, q_len: int, kv_len: int) -> BlockMask:
