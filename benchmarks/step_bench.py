@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import faulthandler
 import json
+import math
 import statistics
 import sys
 import time
@@ -39,9 +40,10 @@ VS, IMG, VE = 151652, 151655, 151653
 
 
 def make_prompt(args, prompt_tokens: int, seed: int):
-    """Chat-like prompt: a few text tokens, one square image of ~prompt_tokens merged patches, a question."""
+    """Chat-like prompt: a few text tokens, one square image, a question: at least prompt_tokens tokens (the
+    smallest square grid of merged patches that reaches it; 1024 -> 1050)."""
     v = args.vision
-    side = max(2, int((prompt_tokens - 24) ** 0.5)) * v.spatial_merge_size  # patches per side
+    side = max(2, math.ceil((prompt_tokens - 26) ** 0.5)) * v.spatial_merge_size  # patches per side
     grid = torch.tensor([[1, side, side]])
     g = torch.Generator().manual_seed(seed)
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
@@ -147,32 +149,51 @@ def full_steps(a, args, dtype, device, prompts):
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0,
                             stop_token_ids=long_tail_stops(args.text.vocab_size, a.mean_response))
     plans = {"serial": PlanOptions(mode="serial"), "decomposed": PlanOptions(mode="decomposed"),
-             "overlapped": PlanOptions(mode="overlapped", ref_prefix_in_window=a.window)}
+             "overlapped": PlanOptions(mode="overlapped")}
+    if a.window:  # the reference prefixes and finished groups' reference log-probs on the window thread
+        plans["overlapped_window"] = PlanOptions(mode="overlapped", ref_prefix_in_window=True,
+                                                 ref_suffix_in_window=True)
+        if a.decode_priority:  # the same, with decode steps on a high-priority stream
+            plans["overlapped_window_prio"] = plans["overlapped_window"]
     if a.ref_prefix_graphs:  # both prefix modes again with the bucketed reference prefix: its gain in each
         plans["decomposed_graphs"] = PlanOptions(mode="decomposed", ref_prefix_graphs=True)
         plans["overlapped_graphs"] = PlanOptions(mode="overlapped", ref_prefix_in_window=a.window,
-                                                 ref_prefix_graphs=True)
+                                                 ref_suffix_in_window=a.window, ref_prefix_graphs=True)
     runners = {m: StepRunner(actor, reference, engine, optimizer, None, NullTokenizer(),
                              StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=a.micro_batch,
                                           loss=PolicyLossConfig(kl_coef=0.01), plan=plan))
                for m, plan in plans.items()}
     phases = ("vision", "rollout", "ref", "train")
+    window_counts = {m: [] for m in runners}  # (reference prefixes, reference micro-batches) done in the window
     times = {m: {k: [] for k in phases + ("step_s",)} for m in runners}
+    rollout_split = {m: [] for m in runners}
     last = {}
     for rep in range(a.repeats + 1):
         for m, runner in runners.items():
+            engine.decode_priority = m.endswith("_prio")
             before = dataclasses.replace(engine.stats)
             t = time.perf_counter()
             out = runner.run(prompts, [""] * len(prompts), params)
             sync(device)
             step_s = time.perf_counter() - t
             st = engine.stats
+            if rep:
+                rollout_split[m].append({"prefill_s": st.prefill_s - before.prefill_s,
+                                         "decode_s": st.decode_s - before.decode_s,
+                                         "decode_steps": st.decode_steps - before.decode_steps,
+                                         "capture_s": st.capture_s - before.capture_s})
             print(f"[step_bench {time.strftime('%H:%M:%S')}] {'timed' if rep else 'warm-up'} {m} step: {step_s:.2f}s "
                   + " ".join(f"{k} {out.timeline.total_s(k):.2f}" for k in phases)
                   + f" | rollout: prefill {st.prefill_s - before.prefill_s:.2f} decode {st.decode_s - before.decode_s:.2f}"
                   f" ({st.decode_steps - before.decode_steps} steps, graph capture {st.capture_s - before.capture_s:.2f})",
                   flush=True)
+            in_window = [sp.name for sp in out.timeline.spans if sp.lane == "window"]
+            if in_window:
+                print(f"  window: {in_window.count('ref_prefix')} reference prefixes, {in_window.count('ref_suffix')} "
+                      f"reference sample batches (GPU-complete spans {sum(sp.end_s - sp.start_s for sp in out.timeline.spans if sp.lane == 'window'):.2f}s)",
+                      flush=True)
             if rep:
+                window_counts[m].append((in_window.count("ref_prefix"), in_window.count("ref_suffix")))
                 times[m]["step_s"].append(step_s)
                 for k in phases:
                     times[m][k].append(out.timeline.total_s(k))
@@ -187,9 +208,17 @@ def full_steps(a, args, dtype, device, prompts):
                                                               last["serial"].experience.tokens.cpu()))
     result["speedup_vs_serial"] = {m: result["serial"]["step_s"] / result[m]["step_s"] for m in runners}
     result["overlapped_vs_decomposed"] = result["decomposed"]["step_s"] / result["overlapped"]["step_s"]
+    mask = last["decomposed"].experience.mask
+    if a.window:
+        for m in [m for m in runners if m.startswith("overlapped_window")]:
+            diff = last[m].experience.ref_logprobs - last["decomposed"].experience.ref_logprobs
+            result[m]["ref_logprobs_max_abs_diff_vs_decomposed"] = diff[mask].abs().max().item()
+            result[m]["window_prefixes_microbatches"] = window_counts[m]
+            result[f"{m}_vs_decomposed"] = result["decomposed"]["step_s"] / result[m]["step_s"]
+    for m in runners:
+        result[m]["rollout_split"] = rollout_split[m]
     if a.ref_prefix_graphs:
         result["overlapped_graphs_vs_decomposed"] = result["decomposed"]["step_s"] / result["overlapped_graphs"]["step_s"]
-        mask = last["decomposed"].experience.mask
         for m in ("decomposed_graphs", "overlapped_graphs"):  # compiled kernels: equal up to rounding, not bitwise
             diff = last[m].experience.ref_logprobs - last["decomposed"].experience.ref_logprobs
             result[m]["ref_logprobs_max_abs_diff_vs_decomposed"] = diff[mask].abs().max().item()
@@ -218,8 +247,11 @@ def main():
     ap.add_argument("--full-step", action="store_true", help="whole steps through the executor, rollout included, "
                                                                "in serial, decomposed and overlapped modes")
     ap.add_argument("--timeline-dir", default="", help="with --full-step: write timeline PNG + Chrome trace here")
-    ap.add_argument("--window", action="store_true", help="overlapped mode places the reference prefix in the "
-                                                            "decode window (the planner's default is after rollout)")
+    ap.add_argument("--window", action="store_true", help="with --full-step: one more overlapped row with the "
+                    "reference prefixes and the reference log-probs of finished groups in the decode window (a "
+                    "second host thread; the planner's default keeps them after rollout)")
+    ap.add_argument("--decode-priority", action="store_true", help="with --window: one more row, the window row "
+                    "with decode steps on a high-priority CUDA stream")
     ap.add_argument("--ref-prefix-graphs", action="store_true", help="with --full-step: also run decomposed and "
                     "overlapped with the reference prefix as bucketed compiled graphs (CUDA graphs on a GPU)")
     ap.add_argument("--out", default="")

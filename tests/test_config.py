@@ -203,6 +203,12 @@ def test_reward_weights_must_match_functions():
         load_config(["--reward.weights=1.0"])
 
 
+def test_reference_in_window_and_managed_memory_exclude_each_other():
+    assert load_config(["--runtime.reference_in_window"]).runtime.reference_in_window
+    with pytest.raises(ConfigError, match=r"runtime.reference_in_window = True .*memory.managed"):
+        load_config(["--runtime.reference_in_window", "--memory.managed"])
+
+
 def test_missing_and_malformed_files_are_named(tmp_path):
     missing = str(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="not found") as e:

@@ -9,8 +9,10 @@ import torch
 from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
+from torchplex.runtime.decomposition import DecomposedScorer
 from torchplex.runtime.executor import StepRunner, StepSettings
 from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
+from torchplex.runtime.window import WindowWorker
 
 RTOL = 1e-5
 SHAPE = StepShape(prompt_lengths=(100, 60), group_size=4, max_new_tokens=8, has_reference=True,
@@ -35,7 +37,7 @@ def test_overlapped_schedule_by_default_fuses_but_keeps_ref_prefix_after_rollout
     s = plan_step(SHAPE, PlanOptions(mode="overlapped"))
     assert s.phase("actor_prefix").placement == "fused:rollout"
     assert s.phase("ref_prefix").placement == "main" and s.phase("ref_prefix").depends_on == ("rollout",)
-    assert any("no gain" in r for r in s.reasons)
+    assert any("hides only host-bound work" in r for r in s.reasons)
 
 
 def test_overlapped_schedule_fuses_actor_prefix_and_moves_ref_prefix_into_the_window():
@@ -50,6 +52,16 @@ def test_overlapped_schedule_fuses_actor_prefix_and_moves_ref_prefix_into_the_wi
     assert s.phase("train").tokens == 2 * 4 * 8  # epoch 0 runs no prefix forward
     json.loads(s.to_json())
     assert "window" in str(s)
+
+
+def test_overlapped_schedule_can_score_finished_samples_in_the_window():
+    s = plan_step(SHAPE, PlanOptions(mode="overlapped", ref_suffix_in_window=True))
+    assert s.phase("ref_suffix").placement == "window:rollout"
+    assert s.phase("ref_prefix").placement == "window:rollout"  # the samples are scored on it there
+    assert s.phase("ref_suffix").depends_on == ("rollout", "ref_prefix")
+    assert "ref_suffix" in s.phase("train").depends_on
+    assert plan_step(SHAPE, PlanOptions(mode="decomposed", ref_suffix_in_window=True)).phase("ref_suffix").placement \
+        == "main"  # only the overlapped mode moves work
 
 
 def test_planner_does_not_fuse_over_the_activation_budget():
@@ -70,7 +82,8 @@ def setup(grpo_assets):
     return grpo_assets.processor, grpo_assets.prompts, grpo_assets.actor, grpo_assets.reference
 
 
-def run(setup, mode, frozen, ppo_epochs=1):
+def run(setup, mode, frozen, ppo_epochs=1, suffix_window=False, threaded=False, stops=None, max_new=6):
+    """One step; stops: stop token ids (default <|im_end|>); threaded: the window's jobs on their own thread."""
     processor, prompts, base, reference = setup
     actor = copy.deepcopy(base)
     actor.visual.requires_grad_(not frozen)
@@ -81,10 +94,14 @@ def run(setup, mode, frozen, ppo_epochs=1):
     optimizer = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=0.1)
     settings = StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=4, ppo_epochs=ppo_epochs,
                             grad_clip=1e9, loss=PolicyLossConfig(kl_coef=0.1),
-                            plan=PlanOptions(mode=mode, ref_prefix_in_window=True))
+                            plan=PlanOptions(mode=mode, ref_prefix_in_window=True, ref_suffix_in_window=suffix_window))
     runner = StepRunner(actor, ref, engine, optimizer, None, processor.tokenizer, settings)
-    eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    out = runner.run(prompts, [""] * len(prompts), SamplingParams(n=4, max_new_tokens=6, stop_token_ids=[eos], seed=3))
+    if threaded:
+        runner.window = WindowWorker(runner.device, threaded=True)
+    stops = stops or [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    out = runner.run(prompts, [""] * len(prompts),
+                     SamplingParams(n=4, max_new_tokens=max_new, stop_token_ids=stops, seed=3))
+    runner.window.close()
     return out, actor, runner
 
 
@@ -108,6 +125,55 @@ def test_overlapped_step_equals_decomposed_step(setup, frozen, ppo_epochs):
     assert len(runner.scorer.store) == 0
     # 3 reference and 3 first-epoch training micro-batches (one group each) took held prefixes instead of computing
     assert runner.scorer.store.served == 6
+
+
+def test_fused_prefill_is_one_batched_forward_and_one_batched_prefix_backward(setup, monkeypatch):
+    """The rollout prefill of the three prompts runs once, batched, with autograd; epoch 0 backpropagates that one
+    graph once, after its three micro-batches (one group each) have run their suffix parts."""
+    processor, prompts, base, reference = setup
+    forwards, backwards = [], []
+    prefix_forward = type(base).prefix_forward
+    monkeypatch.setattr(type(base), "prefix_forward", lambda self, *a, **kw: forwards.append(
+        (a[0].shape[0], torch.is_grad_enabled())) or prefix_forward(self, *a, **kw))
+    finish = DecomposedScorer.finish_backward
+    monkeypatch.setattr(DecomposedScorer, "finish_backward", lambda self: backwards.append(
+        len(self._held_back[0])) or finish(self))
+    out, _, runner = run(setup, "overlapped", True)
+    assert forwards[0] == (3, True)  # the fused prefill: one batch of three prompts, autograd on
+    assert (3, True) not in forwards[1:]  # ... and the actor's training ran no prefix forward of its own
+    layers = len(base.layers)
+    assert backwards == [3 * (2 * layers + 1)]  # every prompt's K, V and last hidden state, in one backward
+    assert len(runner.scorer._held_back[0]) == 0
+
+
+def long_tail_stops(setup):
+    """Half the vocabulary as stop tokens: responses end after a few tokens, at different steps."""
+    vocab = setup[2].args.text.vocab_size
+    return list(range(vocab // 2, vocab))
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_reference_scored_in_the_window_equals_decomposed(setup, threaded):
+    stops = long_tail_stops(setup)
+    dec, dec_actor, _ = run(setup, "decomposed", True, stops=stops, max_new=12)
+    ovl, ovl_actor, runner = run(setup, "overlapped", True, suffix_window=True, threaded=threaded, stops=stops,
+                                 max_new=12)
+    assert torch.equal(dec.experience.tokens, ovl.experience.tokens)
+    lengths = dec.experience.lengths.view(3, 4).max(dim=1).values.tolist()
+    assert len(set(lengths)) > 1, lengths  # groups finish at different steps: some are scored while others decode
+    mask = dec.experience.mask
+    # each sample scored on its prompt's prefix as it finished, in parts of its group: equal up to fp32 rounding
+    assert rel(ovl.experience.ref_logprobs[mask], dec.experience.ref_logprobs[mask]) < RTOL
+    assert rel(ovl.experience.old_logprobs[mask], dec.experience.old_logprobs[mask]) < RTOL
+    for (name, a), b in zip(ovl_actor.named_parameters(), dec_actor.parameters()):
+        assert rel(a, b) < RTOL, name
+    window = [s.name for s in ovl.timeline.spans if s.lane == "window"]
+    assert window.count("ref_prefix") == 3
+    assert window.count("ref_suffix") > 3  # samples of one group finished at different checks: scored in parts
+    rollout = next(s for s in ovl.timeline.spans if s.name == "rollout")
+    assert all(rollout.start_s <= s.start_s <= rollout.end_s for s in ovl.timeline.spans if s.lane == "window")
+    assert runner.window.jobs_run == len(window)
+    assert len(runner.scorer.store) == 0 and runner.scorer.store.served == 3  # only training took held prefixes
 
 
 def test_timeline_exports(setup, tmp_path):

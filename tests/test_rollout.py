@@ -171,3 +171,23 @@ def test_decode_step_is_reused_across_seeds_and_pool_release(setup):
     assert engine._compiled_step is compiled
     engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=3, seed=2, temperature=0.5))
     assert engine._compiled_step is not compiled  # other sampling: another step
+
+
+def test_on_samples_finished_reports_every_sample_once_as_it_finishes(setup):
+    processor, model, prompts, eos = setup
+    vocab = model.args.text.vocab_size
+    params = SamplingParams(n=3, max_new_tokens=12, stop_token_ids=list(range(vocab // 2, vocab)), seed=5)
+    engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20)
+    reported = []
+    outputs = engine.generate(prompts, params, on_samples_finished=lambda outs: reported.append(
+        (list(outs), engine.stats.decode_steps)))
+    flat = [(o, step) for outs, step in reported for o in outs]
+    assert sorted((o.prompt_index, o.sample_index) for o, _ in flat) == [(i, j) for i in range(4) for j in range(3)]
+    for o, step in flat:
+        assert o is outputs[o.prompt_index][o.sample_index]
+        assert len(o.token_ids) <= step + 1
+    # samples of one prompt were reported at different steps: scoring need not wait for the group's slowest
+    steps = {}
+    for o, step in flat:
+        steps.setdefault(o.prompt_index, set()).add(step)
+    assert any(len(v) > 1 for v in steps.values())

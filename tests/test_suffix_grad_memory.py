@@ -91,6 +91,7 @@ def test_held_prefix_backward_runs_after_every_suffix_gradient_is_accumulated(as
 
         monkeypatch.setattr(torch.autograd, "backward", recording)
         scorer.backward(weighted_sum(logp, request.mask))
+        scorer.finish_backward()  # the two prompts' prefixes are slices of one batched graph: their part comes here
         monkeypatch.undo()
         grads[split] = {n: p.grad.clone() for n, p in actor.named_parameters() if p.grad is not None}
         if split:

@@ -300,17 +300,21 @@ def test_run_train_sh_names_a_mistyped_key_and_its_file(tmp_path):
 
 # ---- 5. decomposed runtime -----------------------------------------------------------------------------------------
 def test_decomposed_mode_trains_like_serial_mode(tmp_path, tiny_ckpt, synthetic_dir, uneven_reward):
-    """Same seed, same samples; prefix-once scoring gives the serial losses up to fp32 summation order."""
+    """Same seed, same samples; prefix-once scoring gives the serial losses up to fp32 summation order, also with
+    the overlapped schedule scoring the reference in the decode window."""
     runs = {}
-    for mode in ("serial", "decomposed"):
-        argv = fast_args(tiny_ckpt, synthetic_dir, tmp_path, mode, f"--runtime.mode={mode}",
-                         "--algorithm.kl_coef=0.05", "--algorithm.micro_batch_size=4")
+    for name, flags in (("serial", ["--runtime.mode=serial"]), ("decomposed", ["--runtime.mode=decomposed"]),
+                        ("window", ["--runtime.mode=overlapped", "--runtime.reference_in_window"])):
+        argv = fast_args(tiny_ckpt, synthetic_dir, tmp_path, name, *flags, "--algorithm.kl_coef=0.05",
+                         "--algorithm.micro_batch_size=4")
         Trainer(load_config(argv)).train()
-        runs[mode] = read_metrics(tmp_path / mode)
-    serial, decomposed = runs["serial"], runs["decomposed"]
+        runs[name] = read_metrics(tmp_path / name)
+    serial = runs["serial"]
     for step in (1, 2):
-        assert decomposed[step]["reward/mean"] == serial[step]["reward/mean"]
-        assert decomposed[step]["tokens/prefix"] < serial[step]["tokens/prefix"]  # the prompt ran once, not 4 times
-        for key in ("loss", "pg_loss", "grad_norm", "kl", "entropy"):
-            assert decomposed[step][key] == pytest.approx(serial[step][key], rel=1e-4, abs=1e-6), f"step {step} {key}"
+        for name in ("decomposed", "window"):
+            run = runs[name]
+            assert run[step]["reward/mean"] == serial[step]["reward/mean"]
+            assert run[step]["tokens/prefix"] < serial[step]["tokens/prefix"]  # the prompt ran once, not 4 times
+            for key in ("loss", "pg_loss", "grad_norm", "kl", "entropy"):
+                assert run[step][key] == pytest.approx(serial[step][key], rel=1e-4, abs=1e-6), f"{name} {step} {key}"
     assert serial[2]["grad_norm"] > 0 and serial[2]["kl"] > 0

@@ -153,6 +153,9 @@ class RuntimeConfig:
     # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket (CUDA graphs on a GPU);
     # needs a reference of plain tensors (tp 1, no FSDP2 sharding)
     ref_prefix_graphs: bool = False
+    # overlapped: the reference prefixes, and the reference log-probs of each group as soon as its samples have
+    # finished, computed in the rollout decode window on a second host thread (runtime/window.py); the same numbers
+    reference_in_window: bool = False
 
 
 @dataclass
@@ -326,6 +329,9 @@ _CHECKS = [
      "must be -1 (all remaining ranks) or >= 1"),
     ("parallelism.tp", lambda c: c.parallelism.tp >= 1, "must be >= 1"),
     ("parallelism.rollout_tp", lambda c: c.parallelism.rollout_tp >= 1, "must be >= 1"),
+    ("runtime.reference_in_window", lambda c: not (c.runtime.reference_in_window and c.memory.managed),
+     "reads the reference weights during rollout, but memory.managed keeps them on the device only in the ref "
+     "phase: turn one of them off"),
 ]
 
 

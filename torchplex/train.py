@@ -128,7 +128,9 @@ class Trainer:
                                 # the fused actor prefix's K/V hold the actor's TP heads, not the rollout's
                                 plan=PlanOptions(mode=cfg.runtime.mode,
                                                  fuse_actor_prefix=cfg.parallelism.rollout_tp == cfg.parallelism.tp,
-                                                 ref_prefix_graphs=cfg.runtime.ref_prefix_graphs),
+                                                 ref_prefix_graphs=cfg.runtime.ref_prefix_graphs,
+                                                 ref_prefix_in_window=cfg.runtime.reference_in_window,
+                                                 ref_suffix_in_window=cfg.runtime.reference_in_window),
                                 checkpoint_prefix=cfg.runtime.checkpoint_prefix)
         self.memory = self._memory_manager() if cfg.memory.managed else None
         self.runner = StepRunner(self.actor, self.reference, self.engine, self.optimizer, self.lr_scheduler,

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -65,7 +66,8 @@ class RolloutStats:
 class RolloutEngine:
     def __init__(self, model, *, kv_pool_bytes: int, max_batch: int = 256, kv_dtype: torch.dtype | None = None,
                  compile_decode: bool | None = None, prefill_tokens: int = 16384, check_interval: int | None = None,
-                 pad_id: int = 0, decode_kernel: str | None = None, flex_options: dict | None = None):
+                 pad_id: int = 0, decode_kernel: str | None = None, flex_options: dict | None = None,
+                 decode_priority: bool = False):
         self.model = model
         self.kv_pool_bytes = int(kv_pool_bytes)
         self.max_batch = max_batch
@@ -93,6 +95,11 @@ class RolloutEngine:
         # Checking for finished samples costs a host sync; on GPU do it every few steps.
         self.check_interval = check_interval or (4 if self.device.type == "cuda" else 1)
         self.pad_id = pad_id
+        # decode_priority (CUDA): decode steps run on a stream of the highest priority, so that when decode-window
+        # work runs beside them on another stream, the GPU's block scheduler hands free SMs to decode first.
+        self.decode_priority = decode_priority
+        self._decode_stream: torch.cuda.Stream | None = None
+        self._caller_stream: torch.cuda.Stream | None = None  # generate's stream while decode runs on its own
         self.pool: GroupKVPool | None = None
         self.stats = RolloutStats()
         self._step_fn = None
@@ -169,8 +176,13 @@ class RolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence, params: SamplingParams, *, sample_seeds: Sequence[Sequence[int]] | None = None,
                  on_step: Callable[[DecodeStepInfo], None] | None = None,
-                 prefill_fn: Callable[[Sequence], PrefixState] | None = None) -> list[list[SampleOutput]]:
-        """Sample `params.n` responses for each prompt. Returns outputs[prompt][sample]."""
+                 prefill_fn: Callable[[Sequence], PrefixState] | None = None,
+                 on_samples_finished: Callable[[list[SampleOutput]], None] | None = None) -> list[list[SampleOutput]]:
+        """Sample `params.n` responses for each prompt. Returns outputs[prompt][sample].
+
+        on_samples_finished(outputs) is called at each check with the samples that have finished since the last
+        one, while the others decode on (the runtime scores them in the decode window); they are the very outputs
+        that are returned."""
         n, max_new = params.n, params.max_new_tokens
         lengths = [len(p.input_ids) for p in prompts]
         pool = self._pool_for(n, max(lengths), max_new, len(prompts))
@@ -225,25 +237,33 @@ class RolloutEngine:
                 self.stats.max_prefix_tokens_stored = max(self.stats.max_prefix_tokens_stored,
                                                           pool.prefix_tokens_stored)
 
+        finished_samples: dict[int, SampleOutput] = {}  # slot -> output, for slots of groups still decoding
+
+        def sample_output(s: int, i: int, c: int) -> SampleOutput:
+            toks = out_tokens[s, :c].tolist()
+            reason = "stop" if toks and toks[-1] in params.stop_token_ids else "length"
+            return SampleOutput(i, s % n, toks, out_logprobs[s, :c].tolist(), reason)
+
         def collect_finished():
-            done_groups = []
-            act = active.view(pool.num_groups, n).any(dim=1).tolist()
-            for g, i in owner.items():
-                if not act[g]:
-                    done_groups.append(g)
+            if on_samples_finished is not None:  # per sample: one more small copy per check
+                slot_active, counts = active.tolist(), gen_count.tolist()
+                new = [finished_samples.setdefault(s, sample_output(s, i, counts[s]))
+                       for g, i in owner.items() for s in range(g * n, (g + 1) * n)
+                       if not slot_active[s] and s not in finished_samples]
+                if new:
+                    on_samples_finished(new)
+                act = [any(slot_active[g * n:(g + 1) * n]) for g in range(pool.num_groups)]
+            else:
+                act = active.view(pool.num_groups, n).any(dim=1).tolist()
+            done_groups = [g for g, i in owner.items() if not act[g]]
             if not done_groups:
                 return
             counts = gen_count.tolist()
             for g in done_groups:
                 i = owner.pop(g)
-                outs = []
-                for j in range(n):
-                    s = g * n + j
-                    c = counts[s]
-                    toks = out_tokens[s, :c].tolist()
-                    reason = "stop" if toks and toks[-1] in params.stop_token_ids else "length"
-                    outs.append(SampleOutput(i, j, toks, out_logprobs[s, :c].tolist(), reason))
-                    self.stats.generated_tokens += c
+                outs = [finished_samples.pop(s, None) or sample_output(s, i, counts[s])
+                        for s in range(g * n, (g + 1) * n)]
+                self.stats.generated_tokens += sum(len(o.token_ids) for o in outs)
                 results[i] = outs
                 active[g * n:(g + 1) * n] = False
                 pool.give_back(g)
@@ -252,29 +272,61 @@ class RolloutEngine:
         collect_finished()
         admit()
         step_fn = self._step(params)
-        t_decode = time.perf_counter()
-        while owner:
-            write_at = (gen_count - 1).clamp(max=max_new - 2)
-            positions = start_pos + write_at
-            tok, lp = step_fn(params, last_token, positions, write_at, seeds, gen_count)
-            if self.use_graphs:
-                tok, lp = tok.clone(), lp.clone()  # outputs of a CUDA graph are overwritten by the next replay
-            idx = gen_count.clamp(max=max_new - 1)
-            out_tokens[rows, idx] = torch.where(active, tok, out_tokens[rows, idx])
-            out_logprobs[rows, idx] = torch.where(active, lp, out_logprobs[rows, idx])
-            last_token = torch.where(active, tok, last_token)
-            gen_count = gen_count + active.long()
-            active = active & ~torch.isin(tok, stop_ids) & (gen_count < max_new)
-            step += 1
-            self.stats.decode_steps += 1
-            if on_step is not None:
-                on_step(DecodeStepInfo(step, len(owner) * n, len(waiting)))
-            if step % self.check_interval == 0 or step >= max_new:
-                collect_finished()
-                if waiting and pool.free_groups:
-                    self.stats.decode_s += time.perf_counter() - t_decode
-                    admit()
-                    t_decode = time.perf_counter()
-        self.stats.decode_s += time.perf_counter() - t_decode
+        with self._on_decode_stream():
+            t_decode = time.perf_counter()
+            while owner:
+                write_at = (gen_count - 1).clamp(max=max_new - 2)
+                positions = start_pos + write_at
+                tok, lp = step_fn(params, last_token, positions, write_at, seeds, gen_count)
+                if self.use_graphs:
+                    tok, lp = tok.clone(), lp.clone()  # outputs of a CUDA graph are overwritten by the next replay
+                idx = gen_count.clamp(max=max_new - 1)
+                out_tokens[rows, idx] = torch.where(active, tok, out_tokens[rows, idx])
+                out_logprobs[rows, idx] = torch.where(active, lp, out_logprobs[rows, idx])
+                last_token = torch.where(active, tok, last_token)
+                gen_count = gen_count + active.long()
+                active = active & ~torch.isin(tok, stop_ids) & (gen_count < max_new)
+                step += 1
+                self.stats.decode_steps += 1
+                if on_step is not None:
+                    on_step(DecodeStepInfo(step, len(owner) * n, len(waiting)))
+                if step % self.check_interval == 0 or step >= max_new:
+                    collect_finished()
+                    if waiting and pool.free_groups:
+                        self.stats.decode_s += time.perf_counter() - t_decode
+                        with self._on_caller_stream():  # prefill writes the pool the decode stream reads
+                            admit()
+                        t_decode = time.perf_counter()
+            self.stats.decode_s += time.perf_counter() - t_decode
         self.stats.pool_bytes = pool.allocated_bytes
         return results
+
+    @contextmanager
+    def _on_decode_stream(self):
+        """The decode loop on the high-priority stream (decode_priority on CUDA), ordered after everything the
+        caller's stream had enqueued and before everything it enqueues afterwards."""
+        if not (self.decode_priority and self.device.type == "cuda"):
+            yield
+            return
+        if self._decode_stream is None:
+            self._decode_stream = torch.cuda.Stream(self.device, priority=-100)  # clamped to the highest
+        caller = self._caller_stream = torch.cuda.current_stream(self.device)
+        self._decode_stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self._decode_stream):
+                yield
+        finally:
+            caller.wait_stream(self._decode_stream)  # the pool and the outputs are read or freed there next
+            self._caller_stream = None
+
+    @contextmanager
+    def _on_caller_stream(self):
+        """Back on the caller's stream (a prefill inside the decode loop), ordered on both sides."""
+        caller = self._caller_stream
+        if caller is None:
+            yield
+            return
+        caller.wait_stream(self._decode_stream)
+        with torch.cuda.stream(caller):
+            yield
+        self._decode_stream.wait_stream(caller)

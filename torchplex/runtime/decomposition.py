@@ -15,6 +15,12 @@ extra copy of those gradients (13 GiB in bf16 at 7B) at the start of the prefix 
 the prefix tensors detached, as leaves that require grad: their backward accumulates every weight's suffix part
 into `.grad` at once and leaves the prefix tensors' gradients on the leaves; a second backward from the prefix
 tensors with those gradients adds the prefix part (tests/test_suffix_grad_memory.py measures the difference).
+
+The overlapped mode's fused prefill runs the prompts of one rollout prefill as one batched forward with autograd
+(as the no-grad prefill does), and each prompt's state is a slice of it. A graph can be backpropagated once, so
+the prefix part of those micro-batches is held back and run once for the whole batch in `finish_backward()`, after
+the epoch's last micro-batch: one batched prefix backward instead of one per prompt (the activations were held
+since rollout anyway).
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ class DeferredPrefix:
 
     roots: list[torch.Tensor]
     leaves: list[torch.Tensor]
+    batched: bool = False  # the roots are slices of a batched graph: backpropagated in finish_backward
 
     @staticmethod
     def split(state: PrefixState) -> tuple[PrefixState, "DeferredPrefix | None"]:
@@ -113,27 +120,44 @@ class DeferredPrefix:
         return bool(self.gradients()[0])
 
 
+def prompt_part(state: PrefixState, b: int, length: int) -> PrefixState:
+    """Prompt b of a right-padded batch as a one-prompt state of its own length (differentiable views)."""
+    return PrefixState([t[b:b + 1, :, :length] for t in state.k], [t[b:b + 1, :, :length] for t in state.v],
+                       state.lengths[b:b + 1], state.next_position[b:b + 1], state.last_hidden[b:b + 1])
+
+
 class PrefixStore:
     """Prefix states computed ahead of their consumer (in the rollout prefill or the decode window), held per
     (model, prompt) until a scorer takes them. Taking removes them, so each is used once: the actor's prefix of θk
-    serves exactly the first training epoch."""
+    serves exactly the first training epoch. `batched` marks slices of one batched forward with autograd, whose
+    backward must wait for all of them (DecomposedScorer.finish_backward)."""
 
     def __init__(self):
-        self._held: dict[tuple[int, int], PrefixState] = {}
+        self._held: dict[tuple[int, int], tuple[PrefixState, bool]] = {}
         self.served = 0  # takes that found their prefixes held (tests and metrics)
 
-    def put(self, model, prompt, state: PrefixState) -> None:
-        self._held[(id(model), id(prompt))] = state
+    def put(self, model, prompt, state: PrefixState, batched: bool = False) -> None:
+        self._held[(id(model), id(prompt))] = (state, batched)
 
     def has(self, model, prompt) -> bool:
         return (id(model), id(prompt)) in self._held
 
-    def take(self, model, prompts) -> PrefixState | None:
+    def discard(self, model, prompt) -> None:
+        self._held.pop((id(model), id(prompt)), None)
+
+    def peek(self, model, prompt) -> PrefixState | None:
+        """The prompt's held state, left in the store."""
+        held = self._held.get((id(model), id(prompt)))
+        return None if held is None else held[0]
+
+    def take(self, model, prompts) -> tuple[PrefixState, bool] | None:
+        """(the prompts' held states merged, whether any is a slice of a batched graph), or None."""
         keys = [(id(model), id(p)) for p in prompts]
         if not keys or not all(k in self._held for k in keys):
             return None
         self.served += 1
-        return merge_prefix_states([self._held.pop(k) for k in keys])
+        held = [self._held.pop(k) for k in keys]
+        return merge_prefix_states([state for state, _ in held]), any(batched for _, batched in held)
 
     def clear(self) -> None:
         self._held.clear()
@@ -153,6 +177,7 @@ class DecomposedScorer:
         self.checkpoint_prefix = checkpoint_prefix
         self.split_prefix_backward = split_prefix_backward
         self._deferred: list[DeferredPrefix] = []  # prefix parts of scored losses, until `backward` runs them
+        self._held_back: tuple[list, list] = ([], [])  # (roots, gradients) of batched prefixes, for finish_backward
         self.vision = vision_cache or VisionCache()
         self.store = PrefixStore()
         self.prefix_graphs: dict[int, PrefixGraphs] = {}  # id(frozen model) -> its prefix graphs (no-grad prefixes)
@@ -163,23 +188,37 @@ class DecomposedScorer:
         self.vision.new_step()
         self.store.clear()
         self._deferred.clear()
+        self._held_back = ([], [])
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() for losses of this scorer's `score` outputs: the suffix part (every weight's suffix
         gradient goes straight into .grad), then one backward of the deferred prefixes from their leaves'
-        gradients (the prefix part is added to the same .grad)."""
+        gradients (the prefix part is added to the same .grad). Prefixes sliced from a batched fused prefill are
+        held back for `finish_backward`."""
         loss.backward()
         deferred, self._deferred = self._deferred, []
         roots, grads = [], []
         for d in deferred:
             r, g = d.gradients()
-            roots += r
-            grads += g
+            if d.batched:
+                self._held_back[0].extend(r)
+                self._held_back[1].extend(g)
+            else:
+                roots += r
+                grads += g
         if roots:
             torch.autograd.backward(roots, grad_tensors=grads)
         for d in deferred:  # consumed; the caller's spent graph may still hold the leaves
             for leaf in d.leaves:
                 leaf.grad = None
+
+    def finish_backward(self) -> None:
+        """After an epoch's last micro-batch: the held-back prefix part of the batched fused prefill, one backward
+        through the whole batch's graph (each prompt's slice brings its micro-batch's gradients)."""
+        roots, grads = self._held_back
+        self._held_back = ([], [])
+        if roots:
+            torch.autograd.backward(roots, grad_tensors=grads)
 
     def visual_embeds(self, model, prompts) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if tower_trains(model):
@@ -195,11 +234,16 @@ class DecomposedScorer:
     def prefix(self, model, prompts):
         """PrefixState of the distinct prompts (right-padded batch), with autograd when grad is enabled; a state
         held in the store for all of them is used instead of recomputing."""
+        state, batch, _ = self._prefix(model, prompts)
+        return state, batch
+
+    def _prefix(self, model, prompts):
+        """(state, collated batch, whether the state is a slice of a batched graph held in the store)."""
         device = next(model.parameters()).device
         batch = collate(model.args, prompts, pad_id=self.pad_id).to(device)
         held = self.store.take(model, prompts)
         if held is not None:
-            return held, batch
+            return held[0], batch, held[1]
         graphs = self.prefix_graphs.get(id(model))
         if graphs is not None and not torch.is_grad_enabled():
             states = []
@@ -208,13 +252,13 @@ class DecomposedScorer:
                 image, video = self.visual_embeds(model, [p])
                 states.append(graphs(batch.input_ids[i:i + 1, :length], batch.position_ids[:, i:i + 1, :length],
                                      batch.next_position[i:i + 1], image_embeds=image, video_embeds=video))
-            return merge_prefix_states(states), batch
+            return merge_prefix_states(states), batch, False
         image, video = self.visual_embeds(model, prompts)
         run = lambda img, vid: model.prefix_forward(batch.input_ids, batch.position_ids, batch.next_position,
                                                      batch.lengths, image_embeds=img, video_embeds=vid)
         if self.checkpoint_prefix and torch.is_grad_enabled():
-            return checkpoint(run, image, video, use_reentrant=False), batch
-        return run(image, video), batch
+            return checkpoint(run, image, video, use_reentrant=False), batch, False
+        return run(image, video), batch, False
 
     def score(self, model, request: ScoreRequest, temperature: float, with_entropy: bool = False):
         """Log-probs (and entropies) of the request's responses. With autograd on (and split_prefix_backward),
@@ -223,12 +267,24 @@ class DecomposedScorer:
             raise RuntimeError("a loss of an earlier DecomposedScorer.score was backpropagated with loss.backward(); "
                                "use scorer.backward(loss), which also runs the prefix part")
         computed_before = len(self.store)
-        prefix, batch = self.prefix(model, request.prompts)
+        prefix, batch, batched = self._prefix(model, request.prompts)
         reused = len(self.store) < computed_before  # the prefix came from the store: computed elsewhere
         if self.split_prefix_backward and torch.is_grad_enabled():
             prefix, deferred = DeferredPrefix.split(prefix)
             if deferred is not None:
+                deferred.batched = batched
                 self._deferred.append(deferred)
+        return self._suffix_scores(model, prefix, request, temperature, with_entropy,
+                                   prompt_tokens=0 if reused else int(batch.lengths.sum()))
+
+    @torch.no_grad()
+    def score_on_prefix(self, model, prefix: PrefixState, request: ScoreRequest, temperature: float):
+        """No-grad log-probs of the request's responses on a prefix state of its prompts that the caller computed
+        and keeps (the decode window scores a prompt's samples in parts, as they finish, on one prefix)."""
+        return self._suffix_scores(model, prefix, request, temperature, False, prompt_tokens=0)[0]
+
+    def _suffix_scores(self, model, prefix: PrefixState, request: ScoreRequest, temperature: float,
+                       with_entropy: bool, prompt_tokens: int):
         device = request.tokens.device
         owner = torch.tensor(request.prompt_index, device=device)
         first = prefix.last_hidden[owner][:, None]  # predicts response token 0
@@ -238,20 +294,21 @@ class DecomposedScorer:
             hidden = torch.cat([first, rest], dim=1)
         else:
             hidden = first
-        prompt_tokens = 0 if reused else int(batch.lengths.sum())
         response_tokens = int(request.lengths.sum())
         self.counts.add(TokenCounts(prefix_tokens=prompt_tokens, response_tokens=response_tokens,
                                     vision_patches=sum(_patches(p) for p in request.prompts)))
-        self.serial_equivalent_tokens += int(batch.lengths[owner].sum()) + response_tokens
+        self.serial_equivalent_tokens += sum(len(request.prompts[i].input_ids) for i in request.prompt_index)
+        self.serial_equivalent_tokens += response_tokens
         return response_scores(model, hidden, request.tokens, temperature, with_entropy)
 
     def rollout_prefill(self, model, keep_for_training: bool = False):
         """A prefill for the rollout engine that takes the visual embeddings from this step's cache, so the
         frozen tower's one encoding per prompt also serves rollout.
 
-        keep_for_training: run each prompt's prefill with autograd kept and hold it in the store, so the actor's
-        first training epoch reuses it instead of running the same prefix forward again (fusion). Prompts are
-        prefilled one by one so that each held graph is independent of the others.
+        keep_for_training: run the prefill with autograd kept and hold each prompt's part in the store, so the
+        actor's first training epoch reuses it instead of running the same prefix forward again (fusion). The
+        prompts of one call run as one batch, as without autograd; each held part is a slice of that batch's graph
+        (module docstring: its backward waits for `finish_backward`).
         """
 
         @torch.no_grad()
@@ -259,14 +316,13 @@ class DecomposedScorer:
             return self.prefix(model, prompts)[0]
 
         def fused_prefill(prompts):
-            states = []
-            for p in prompts:
-                with torch.enable_grad():
-                    state = self.prefix(model, [p])[0]
-                self.store.put(model, p, state)
-                self.counts.add(TokenCounts(prefix_tokens=len(p.input_ids)))
-                states.append(state.detach())
-            return merge_prefix_states(states)
+            with torch.enable_grad():  # the parts too: a view made under no_grad would cut them from the graph
+                state = self.prefix(model, prompts)[0]
+                for b, p in enumerate(prompts):
+                    part = state if len(prompts) == 1 else prompt_part(state, b, len(p.input_ids))
+                    self.store.put(model, p, part, batched=len(prompts) > 1)
+            self.counts.add(TokenCounts(prefix_tokens=sum(len(p.input_ids) for p in prompts)))
+            return state.detach()
 
         return fused_prefill if keep_for_training else prefill
 

@@ -144,7 +144,8 @@ class RemoteRollout:
     stats: RolloutStats = field(default_factory=RolloutStats)
     last_wait_s: float = 0.0
 
-    def generate(self, prompts: Sequence, params, *, sample_seeds=None, on_step=None, prefill_fn=None):
+    def generate(self, prompts: Sequence, params, *, sample_seeds=None, on_step=None, prefill_fn=None,
+                 on_samples_finished=None):
         n, max_new = params.n, params.max_new_tokens
         ids = torch.empty(len(prompts) * n, max_new + 2, dtype=torch.long, device=self.device)
         logprobs = torch.empty(len(prompts) * n, max_new, dtype=torch.float32, device=self.device)

@@ -3,15 +3,15 @@
 serial       rollout -> reference (full forwards) -> train (full forwards)
 decomposed   [vision] -> rollout -> reference (prefix once per prompt + suffixes) -> train (likewise)
 overlapped   decomposed, plus what the schedule moves: the actor prefix fused into the rollout prefill (its graph
-             is held and consumed by the first training epoch) and the reference prefix computed in the decode
-             window, one prompt per decode step, on a side CUDA stream (events order it before the reference
-             suffixes); on CPU the slices run in program order between decode steps.
+             is held and consumed by the first training epoch); the reference prefixes, and the reference
+             log-probs of samples as soon as they have finished, computed in the decode window
+             (runtime/window.py: a second host thread, its CUDA work on a side stream ordered by events); on CPU
+             the window's jobs run in program order when they are submitted.
 The numbers do not depend on where a phase ran: tests/test_overlap.py holds overlapped to decomposed.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -21,11 +21,13 @@ from ..models.qwen2_5_vl.parallelize import reshard
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer
-from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
+from .grpo_step import (Experience, TrainResult, build_experience, reference_phase, request_from_outputs,
+                        train_phase)
 from .planner import PlanOptions, Schedule, StepShape, plan_step
 from .prefix_graphs import PrefixGraphs, graphs_supported
 from .scoring import SerialScorer
 from .timeline import Timeline
+from .window import WindowWorker
 
 
 @dataclass
@@ -59,9 +61,10 @@ class StepRunner:
         self.settings = settings
         self.dp_size, self.dp_group = dp_size, dp_group
         self.memory = memory  # runtime.memory.MemoryManager: residency of tensor groups per phase
-        if memory is not None and settings.plan.ref_prefix_in_window:
-            raise ValueError("ref_prefix_in_window reads the reference weights during rollout, but the memory plan "
-                             "keeps them on the device only in the ref phase; use one or the other")
+        if memory is not None and (settings.plan.ref_prefix_in_window or settings.plan.ref_suffix_in_window):
+            raise ValueError("ref_prefix_in_window/ref_suffix_in_window read the reference weights during rollout, "
+                             "but the memory plan keeps them on the device only in the ref phase; use one or the "
+                             "other")
         mode = settings.plan.mode
         self.scorer = (SerialScorer(pad_id) if mode == "serial"
                        else DecomposedScorer(pad_id, checkpoint_prefix=settings.checkpoint_prefix))
@@ -71,7 +74,7 @@ class StepRunner:
                                  "sharded); turn it off for this parallelism")
             self.scorer.prefix_graphs[id(reference)] = PrefixGraphs(reference)
         self.device = next(actor.parameters()).device
-        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.window = WindowWorker(self.device)
 
     def shape(self, prompts, params: SamplingParams) -> StepShape:
         t = self.actor.args.text
@@ -108,31 +111,49 @@ class StepRunner:
         if decomposed:
             fused = schedule.has("actor_prefix") and schedule.phase("actor_prefix").placement == "fused:rollout"
             prefill = self.scorer.rollout_prefill(self.actor, keep_for_training=fused)
-        window = deque()
-        if schedule.has("ref_prefix") and schedule.phase("ref_prefix").placement.startswith("window"):
-            window.extend(prompts)
+        in_window = lambda name: schedule.has(name) and schedule.phase(name).placement.startswith("window")
+        ref_scored: dict[int, torch.Tensor] = {}  # sample -> its reference log-probs, scored in the window
+        submitted: set[int] = set()  # prompts whose reference prefix job is queued
 
-        def on_step(info):
-            if window:  # one prompt's reference prefix per decode step
-                prompt = window.popleft()
-                with timeline.span("ref_prefix", lane="window", sync=False), self._side():
-                    self.scorer.compute_and_hold(self.reference, prompt)
+        def ref_prefix_job(i: int) -> None:
+            if i not in submitted:
+                submitted.add(i)
+                self.window.submit(lambda p=prompts[i]: self._window_ref_prefix(p, timeline))
+
+        on_step = on_samples_finished = None
+        if in_window("ref_prefix"):
+            def on_step(info):
+                if info.step == 1:  # decode has begun: the prompts' prefills are done
+                    for i in range(len(prompts)):
+                        ref_prefix_job(i)
+        if in_window("ref_suffix"):
+            def on_samples_finished(outputs):
+                by_prompt: dict[int, list] = {}
+                for o in outputs:
+                    by_prompt.setdefault(o.prompt_index, []).append(o)
+                for i, outs in by_prompt.items():
+                    ref_prefix_job(i)  # queued before its samples' job: the window runs jobs in order
+                    self.window.submit(lambda i=i, outs=outs: self._window_ref_samples(
+                        prompts, i, params.n, outs, ref_scored, timeline))
 
         with phase("rollout"):
-            outputs = self.engine.generate(prompts, params, sample_seeds=sample_seeds, prefill_fn=prefill,
-                                           on_step=on_step if window else None)
+            try:
+                outputs = self.engine.generate(prompts, params, sample_seeds=sample_seeds, prefill_fn=prefill,
+                                               on_step=on_step, on_samples_finished=on_samples_finished)
+            finally:
+                self.window.finish()  # the window's results are read from here on
             self.engine.release()
-        while window:  # decode ended before every slice ran: finish them now
-            on_step(None)
-        if self.side_stream is not None:
-            torch.cuda.current_stream().wait_stream(self.side_stream)
+            for i, prompt in enumerate(prompts):  # a prompt whose samples were all scored needs its prefix no more
+                if all(i * params.n + j in ref_scored for j in range(params.n)):
+                    self.scorer.store.discard(self.reference, prompt)
         reshard(self.actor)
 
         exp = build_experience(prompts, answers, outputs, self.tokenizer, st.reward_names, st.reward_weights,
                                st.advantage, st.dynamic_sampling, self.device)
         if self.reference is not None:
             with phase("ref"):
-                reference_phase(self.reference, self.scorer, exp, st.temperature, st.micro_batch_size, decomposed)
+                reference_phase(self.reference, self.scorer, exp, st.temperature, st.micro_batch_size, decomposed,
+                                scored=ref_scored)
                 reshard(self.reference)
         with phase("train"):
             result = train_phase(self.actor, self.scorer, exp, self.optimizer, self.lr_scheduler, st.loss,
@@ -145,8 +166,21 @@ class StepRunner:
             self.memory.close()
         return StepOutput(exp, result, schedule, timeline)
 
-    def _side(self):
-        if self.side_stream is None:
-            return nullcontext()
-        self.side_stream.wait_stream(torch.cuda.current_stream())
-        return torch.cuda.stream(self.side_stream)
+    # ---- decode-window jobs (run by self.window, on its thread and side stream) -----------------------------
+    def _window_ref_prefix(self, prompt, timeline: Timeline) -> None:
+        with timeline.span("ref_prefix", lane="window"):
+            self.scorer.compute_and_hold(self.reference, prompt)
+
+    def _window_ref_samples(self, prompts, i: int, group_size: int, outputs, scored: dict,
+                            timeline: Timeline) -> None:
+        """Reference log-probs of samples of prompt i that just finished, on its prefix held in the store (kept
+        there: later samples of the prompt are scored on it too)."""
+        with timeline.span("ref_suffix", lane="window"):
+            samples = [i * group_size + o.sample_index for o in outputs]
+            request = request_from_outputs(prompts, group_size, samples, [o.token_ids for o in outputs], self.device)
+            prefix = self.scorer.store.peek(self.reference, prompts[i])
+            if prefix is None:  # its prefix job failed before: finish() reports that
+                return
+            logp = self.scorer.score_on_prefix(self.reference, prefix, request, self.settings.temperature)
+            for row, (s, o) in enumerate(zip(samples, outputs)):
+                scored[s] = logp[row, :len(o.token_ids)]

@@ -52,21 +52,45 @@ class Experience:
         return [s for b in range(len(self.prompts)) if bool(self.keep_groups[b]) for s in range(b * g, (b + 1) * g)]
 
     def request(self, samples: Sequence[int]) -> ScoreRequest:
-        owners = sorted({s // self.group_size for s in samples})
-        slot = {b: i for i, b in enumerate(owners)}
         idx = torch.tensor(list(samples), device=self.tokens.device)
-        lengths = self.lengths[idx]
-        width = int(lengths.max())
-        return ScoreRequest([self.prompts[b] for b in owners], [slot[s // self.group_size] for s in samples],
-                            self.tokens[idx, :width], lengths)
+        return score_request(self.prompts, self.group_size, samples, self.tokens[idx], self.lengths[idx])
+
+
+def score_request(prompts: list, group_size: int, samples: Sequence[int], tokens: torch.Tensor,
+                  lengths: torch.Tensor) -> ScoreRequest:
+    """The request scoring `samples` (prompt-major indices): their right-padded tokens cut to the longest of
+    them, and their distinct prompts in order."""
+    owners = sorted({s // group_size for s in samples})
+    slot = {b: i for i, b in enumerate(owners)}
+    width = int(lengths.max())
+    return ScoreRequest([prompts[b] for b in owners], [slot[s // group_size] for s in samples], tokens[:, :width],
+                        lengths)
+
+
+def request_from_outputs(prompts: list, group_size: int, samples: Sequence[int], token_ids: Sequence[Sequence[int]],
+                         device) -> ScoreRequest:
+    """What `Experience.request(samples)` gives, built from the samples' sampled token ids before the step's
+    Experience exists (the decode window scores samples as they finish)."""
+    lengths = [len(t) for t in token_ids]
+    tokens = torch.zeros(len(token_ids), max(lengths), dtype=torch.long)
+    for row, ids in enumerate(token_ids):
+        tokens[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return score_request(prompts, group_size, samples, tokens.to(device), torch.tensor(lengths, device=device))
 
 
 def micro_batches(samples: list[int], group_size: int, micro_batch_size: int, whole_groups: bool) -> list[list[int]]:
-    """Split sample indices into micro-batches; with whole_groups a group is never split (its prefix is shared)."""
+    """Split sample indices (prompt-major) into micro-batches; with whole_groups a group's samples are never split
+    (their prefix is shared): max(1, micro_batch_size // group_size) groups per micro-batch."""
     if not whole_groups:
         return [samples[i:i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]
-    per = max(1, micro_batch_size // group_size) * group_size
-    return [samples[i:i + per] for i in range(0, len(samples), per)]
+    groups: list[list[int]] = []
+    for s in samples:
+        if groups and groups[-1][0] // group_size == s // group_size:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    per = max(1, micro_batch_size // group_size)
+    return [[s for g in groups[i:i + per] for s in g] for i in range(0, len(groups), per)]
 
 
 def build_experience(prompts: list, answers: list[str], outputs: list[list[SampleOutput]], tokenizer,
@@ -95,12 +119,16 @@ def build_experience(prompts: list, answers: list[str], outputs: list[list[Sampl
 
 @torch.no_grad()
 def reference_phase(reference, scorer: Scorer, exp: Experience, temperature: float, micro_batch_size: int,
-                    whole_groups: bool) -> None:
-    """Per-token log-probs of every response under the frozen reference model."""
+                    whole_groups: bool, scored: dict[int, torch.Tensor] | None = None) -> None:
+    """Per-token log-probs of every response under the frozen reference model. `scored` holds samples' log-probs
+    computed elsewhere (the decode window, as the samples finished); they are taken, not recomputed."""
     out = torch.zeros(exp.tokens.shape, dtype=torch.float32, device=exp.tokens.device)
-    for mb in micro_batches(list(range(exp.tokens.shape[0])), exp.group_size, micro_batch_size, whole_groups):
-        req = exp.request(mb)
-        logp, _ = scorer.score(reference, req, temperature)
+    scored = scored if scored is not None else {}
+    for s, logp in scored.items():
+        out[s, :logp.shape[0]] = logp.float()
+    samples = [s for s in range(exp.tokens.shape[0]) if s not in scored]
+    for mb in micro_batches(samples, exp.group_size, micro_batch_size, whole_groups):
+        logp, _ = scorer.score(reference, exp.request(mb), temperature)
         out[torch.tensor(mb, device=out.device), :logp.shape[1]] = logp.float()
     exp.ref_logprobs = out
 
@@ -186,6 +214,7 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
             scorer.backward(loss * dp_size)  # decomposed: the suffix part, then the prefix part
             del logp, loss  # the spent graph (its nodes keep the prefix leaves) goes before the next forward
             epoch_stats.append(stats)
+        scorer.finish_backward()  # decomposed: the batched fused prefix's part, once every slice has its gradient
         grad_norm = clip_grad_norm([p for p in actor.parameters() if p.requires_grad], grad_clip)
         result.grad_norms.append(grad_norm)
         finite = math.isfinite(grad_norm) and all(bool(torch.isfinite(s.loss)) for s in epoch_stats)

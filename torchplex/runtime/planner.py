@@ -8,8 +8,8 @@ Placements:
   main          on the main stream, after its dependencies
   fused:<P>     no work of its own: computed inside phase P (the actor prefix inside the rollout prefill, which is the
                 same forward on the same weights θk, run once with autograd kept)
-  window        inside the rollout decode window: between decode steps, one prompt per slice, on a side stream on
-                CUDA (ordered by events), in program order on CPU
+  window        inside the rollout decode window: on a second host thread whose CUDA work runs on a side stream
+                (runtime/window.py: ordered by events, submitted as its inputs exist), in program order on CPU
 Modes: "serial" (full prompt+response forwards), "decomposed" (prefix once per prompt, after rollout) and
 "overlapped" (decomposed + fusion + window placement where the planner predicts it pays).
 """
@@ -43,9 +43,13 @@ class StepShape:
 class PlanOptions:
     mode: str = "decomposed"                      # serial | decomposed | overlapped
     fuse_actor_prefix: bool = True                # overlapped: actor prefix inside the rollout prefill
-    # overlapped: reference prefix K/V inside the decode window. Off by default: on the H200 the slices did not
-    # hide behind the decode graph (docs/benchmarks.md), so the planner predicts no gain from moving them there.
+    # overlapped: reference prefix K/V inside the decode window (a second host thread, runtime/window.py). Off by
+    # default: on the H200 it hid the reference's host-bound launches (trainable tower: 1.08x -> 1.12x over
+    # decomposed) but not GPU-bound work beside the decode graph (frozen tower: no gain); docs/benchmarks.md.
     ref_prefix_in_window: bool = False
+    # overlapped: the reference log-probs of each sample scored in the decode window as soon as it has finished, on
+    # its prompt's held prefix (what the window did not score, the reference phase does); equal up to rounding.
+    ref_suffix_in_window: bool = False
     # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket, captured on CUDA
     # (runtime/prefix_graphs.py): an eager prefix is host-bound (3B, 987 tokens: ~0.17 s of host time on the H200).
     ref_prefix_graphs: bool = False
@@ -126,7 +130,9 @@ def plan_step(shape: StepShape, options: PlanOptions) -> Schedule:
         fuse = False
         s.reasons.append(f"actor prefix not fused: holding its activations across rollout needs {held / 2**30:.2f} GiB, "
                          f"over the {options.held_activation_budget_bytes / 2**30:.2f} GiB budget")
-    window = overlapped and options.ref_prefix_in_window and shape.has_reference
+    suffix_window = overlapped and options.ref_suffix_in_window and shape.has_reference
+    # the window scores samples on their prompt's reference prefix, so it computes that prefix too
+    window = suffix_window or (overlapped and options.ref_prefix_in_window and shape.has_reference)
     if not shape.vision_trainable:
         s.phases.append(Phase("vision", note="frozen tower: one encoding per prompt serves every phase"))
     first = ("vision",) if not shape.vision_trainable else ()
@@ -142,16 +148,23 @@ def plan_step(shape: StepShape, options: PlanOptions) -> Schedule:
         if window:
             s.phases.append(Phase("ref_prefix", placement="window:rollout", depends_on=first, holds_bytes=ref_kv,
                                   tokens=P))
-            s.reasons.append("reference prefix K/V computed in the rollout decode window, one prompt per slice")
+            s.reasons.append("reference prefix K/V computed in the rollout decode window (second host thread, side "
+                             "stream): its host-bound launches run beside the decode loop's")
         else:
             s.phases.append(Phase("ref_prefix", depends_on=("rollout",), holds_bytes=ref_kv, tokens=P))
             if overlapped:
-                s.reasons.append("reference prefix after rollout: window slices beside the decode graph measured no "
-                                 "gain on the H200 (set ref_prefix_in_window to place them there)")
+                s.reasons.append("reference prefix after rollout: the decode window hides only host-bound work "
+                                 "(measured on the H200); set ref_prefix_in_window to place it there")
         if options.ref_prefix_graphs:
             s.reasons.append("reference prefix as compiled graphs per prompt-length bucket (replayed CUDA graphs on a "
                              "GPU): microseconds of host time per prompt instead of one launch per kernel")
-        s.phases.append(Phase("ref_suffix", depends_on=("rollout", "ref_prefix"), tokens=R))
+        if suffix_window:
+            s.phases.append(Phase("ref_suffix", placement="window:rollout", depends_on=("rollout", "ref_prefix"),
+                                  tokens=R, note="per sample, once it has finished"))
+            s.reasons.append("reference suffixes of finished samples scored in the decode window: the slowest "
+                             "samples decode on while the others are scored")
+        else:
+            s.phases.append(Phase("ref_suffix", depends_on=("rollout", "ref_prefix"), tokens=R))
     train_deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ()) + (("actor_prefix",) if fuse else ())
     prefix_tokens = (shape.ppo_epochs - 1) * P if fuse else shape.ppo_epochs * P
     s.phases.append(Phase("train", depends_on=train_deps, tokens=prefix_tokens + shape.ppo_epochs * R,

@@ -19,9 +19,9 @@ matmuls.
 
 Not done here: the overlapped schedule's fused actor prefix (the actor's prefix K/V holds the actor's TP heads,
 the rollout pool needs the rollout's), so the trainer turns fusion off when rollout_tp != tp; the rollout
-prefill encodes its prompts' images with the rollout model's own (shared) tower; a decode-window callback
-(`on_step`) is not forwarded, since replicas decode different numbers of steps (the executor runs the window's
-work after rollout instead).
+prefill encodes its prompts' images with the rollout model's own (shared) tower; the decode-window callbacks
+(`on_step`, `on_samples_finished`) are not forwarded, since replicas decode different numbers of steps (the window's work
+then runs after rollout, in the reference phase).
 """
 
 from __future__ import annotations
@@ -74,10 +74,11 @@ class SharedRolloutEngine:
 
     def generate(self, prompts: Sequence, params: SamplingParams, *,
                  sample_seeds: Sequence[Sequence[int]] | None = None,
-                 on_step: Callable | None = None, prefill_fn: Callable | None = None) -> list[list[SampleOutput]]:
+                 on_step: Callable | None = None, prefill_fn: Callable | None = None,
+                 on_samples_finished: Callable | None = None) -> list[list[SampleOutput]]:
         """Outputs[prompt][sample] for this rank's prompts, as RolloutEngine.generate. `prefill_fn` (bound to the
-        actor) and `on_step` are not used: see the module doc."""
-        del on_step, prefill_fn
+        actor) and the decode-window callbacks are not used: see the module doc."""
+        del on_step, prefill_fn, on_samples_finished
         # the engine's numbering when none are given, fixed before the batch is split so each part numbers alike
         seeds = [list(s) for s in (sample_seeds or default_seeds(params.seed, params.n, range(len(prompts))))]
         self.resync_seconds.append(self.sharer.resync())

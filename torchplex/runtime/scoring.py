@@ -8,6 +8,7 @@ same numbers with the prompt prefix run once per prompt.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -32,6 +33,9 @@ class ScoreRequest:
         return torch.arange(self.tokens.shape[1], device=self.lengths.device)[None] < self.lengths[:, None]
 
 
+_COUNTS_LOCK = threading.Lock()
+
+
 @dataclass
 class TokenCounts:
     """Token-forwards a scoring pass ran through the decoder (prefix and suffix parts)."""
@@ -41,9 +45,10 @@ class TokenCounts:
     vision_patches: int = 0
 
     def add(self, other: "TokenCounts") -> None:
-        self.prefix_tokens += other.prefix_tokens
-        self.response_tokens += other.response_tokens
-        self.vision_patches += other.vision_patches
+        with _COUNTS_LOCK:  # the decode window's thread scores beside the rollout's prefills
+            self.prefix_tokens += other.prefix_tokens
+            self.response_tokens += other.response_tokens
+            self.vision_patches += other.vision_patches
 
     @property
     def total(self) -> int:
@@ -59,6 +64,9 @@ class Scorer(Protocol):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate a loss of this scorer's `score` outputs into the model's .grad."""
+
+    def finish_backward(self) -> None:
+        """After an epoch's last micro-batch: whatever gradient work `backward` held back."""
 
 
 def response_scores(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool,
@@ -101,6 +109,9 @@ class SerialScorer:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def finish_backward(self) -> None:
+        pass  # nothing held back
 
 
 def _patches(prompt) -> int:
