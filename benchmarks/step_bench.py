@@ -150,7 +150,7 @@ def full_steps(a, args, dtype, device, prompts):
                             stop_token_ids=long_tail_stops(args.text.vocab_size, a.mean_response))
     plans = {"serial": PlanOptions(mode="serial"), "decomposed": PlanOptions(mode="decomposed"),
              "overlapped": PlanOptions(mode="overlapped")}
-    if a.window:  # the reference prefixes and finished groups' reference log-probs on the window thread
+    if a.window:  # the reference prefixes and finished samples' reference log-probs on the window thread
         plans["overlapped_window"] = PlanOptions(mode="overlapped", ref_prefix_in_window=True,
                                                  ref_suffix_in_window=True)
         if a.decode_priority:  # the same, with decode steps on a high-priority stream
@@ -164,7 +164,7 @@ def full_steps(a, args, dtype, device, prompts):
                                           loss=PolicyLossConfig(kl_coef=0.01), plan=plan))
                for m, plan in plans.items()}
     phases = ("vision", "rollout", "ref", "train")
-    window_counts = {m: [] for m in runners}  # (reference prefixes, reference micro-batches) done in the window
+    window_counts = {m: [] for m in runners}  # (reference prefix jobs, reference sample jobs) in the window
     times = {m: {k: [] for k in phases + ("step_s",)} for m in runners}
     rollout_split = {m: [] for m in runners}
     last = {}
@@ -213,7 +213,7 @@ def full_steps(a, args, dtype, device, prompts):
         for m in [m for m in runners if m.startswith("overlapped_window")]:
             diff = last[m].experience.ref_logprobs - last["decomposed"].experience.ref_logprobs
             result[m]["ref_logprobs_max_abs_diff_vs_decomposed"] = diff[mask].abs().max().item()
-            result[m]["window_prefixes_microbatches"] = window_counts[m]
+            result[m]["window_prefix_and_sample_jobs"] = window_counts[m]
             result[f"{m}_vs_decomposed"] = result["decomposed"]["step_s"] / result[m]["step_s"]
     for m in runners:
         result[m]["rollout_split"] = rollout_split[m]
@@ -248,7 +248,7 @@ def main():
                                                                "in serial, decomposed and overlapped modes")
     ap.add_argument("--timeline-dir", default="", help="with --full-step: write timeline PNG + Chrome trace here")
     ap.add_argument("--window", action="store_true", help="with --full-step: one more overlapped row with the "
-                    "reference prefixes and the reference log-probs of finished groups in the decode window (a "
+                    "reference prefixes and the reference log-probs of finished samples in the decode window (a "
                     "second host thread; the planner's default keeps them after rollout)")
     ap.add_argument("--decode-priority", action="store_true", help="with --window: one more row, the window row "
                     "with decode steps on a high-priority CUDA stream")

@@ -153,8 +153,8 @@ class RuntimeConfig:
     # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket (CUDA graphs on a GPU);
     # needs a reference of plain tensors (tp 1, no FSDP2 sharding)
     ref_prefix_graphs: bool = False
-    # overlapped: the reference prefixes, and the reference log-probs of each group as soon as its samples have
-    # finished, computed in the rollout decode window on a second host thread (runtime/window.py); the same numbers
+    # overlapped: the reference prefixes, and the reference log-probs of each sample as soon as it has finished,
+    # computed in the rollout decode window on a second host thread (runtime/window.py); equal up to rounding
     reference_in_window: bool = False
 
 
