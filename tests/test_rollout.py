@@ -1,5 +1,7 @@
 """The native rollout engine against transformers' generate and against teacher-forced scoring."""
 
+import copy
+
 import pytest
 import torch
 from PIL import Image
@@ -191,3 +193,26 @@ def test_on_samples_finished_reports_every_sample_once_as_it_finishes(setup):
     for o, step in flat:
         steps.setdefault(o.prompt_index, set()).add(step)
     assert any(len(v) > 1 for v in steps.values())
+
+
+def test_fused_qkv_decode_equals_separate_projections_and_follows_weight_updates(setup):
+    """The decode step's fused q/k/v copy gives the three projections' tokens and log-probs (fp32, rel 1e-5), and
+    is refreshed from the weights at every generate (an optimizer step in between changes nothing)."""
+    processor, model, prompts, eos = setup
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=10, stop_token_ids=[eos], seed=4)
+    trained = copy.deepcopy(model)
+    fused = RolloutEngine(trained, kv_pool_bytes=8 * 2**20, fused_qkv=True)
+    for update in range(2):
+        if update:  # an update of the weights after the first rollout
+            with torch.no_grad():
+                for p in trained.parameters():
+                    p.add_(torch.randn_like(p) * 0.02)
+        want = RolloutEngine(copy.deepcopy(trained), kv_pool_bytes=8 * 2**20).generate(prompts, params)
+        got = fused.generate(prompts, params)
+        for w_group, g_group in zip(want, got):
+            for w, g in zip(w_group, g_group):
+                assert g.token_ids == w.token_ids
+                lw, lg = torch.tensor(w.logprobs), torch.tensor(g.logprobs)
+                assert ((lg - lw).abs().max() / lw.abs().max()).item() < RTOL
+    assert all(layer.attention.qkv_copy is not None for layer in trained.layers)
+    assert not any("qkv_copy" in name for name, _ in trained.named_parameters())

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..components.captured_step import CapturedStep
 from ..data.batching import collate, encode_visuals
@@ -67,7 +68,7 @@ class RolloutEngine:
     def __init__(self, model, *, kv_pool_bytes: int, max_batch: int = 256, kv_dtype: torch.dtype | None = None,
                  compile_decode: bool | None = None, prefill_tokens: int = 16384, check_interval: int | None = None,
                  pad_id: int = 0, decode_kernel: str | None = None, flex_options: dict | None = None,
-                 decode_priority: bool = False):
+                 decode_priority: bool = False, fused_qkv: bool = False):
         self.model = model
         self.kv_pool_bytes = int(kv_pool_bytes)
         self.max_batch = max_batch
@@ -98,6 +99,11 @@ class RolloutEngine:
         # decode_priority (CUDA): decode steps run on a stream of the highest priority, so that when decode-window
         # work runs beside them on another stream, the GPU's block scheduler hands free SMs to decode first.
         self.decode_priority = decode_priority
+        # fused_qkv: decode steps project q/k/v with one GEMM on a fused copy of the three weights (model.fuse_qkv,
+        # refreshed at every generate: the copy costs 2*(H + 2*Hkv)*D*hidden bytes per layer, 0.9 GiB at 7B bf16).
+        if fused_qkv and (hasattr(model, "unshard") or any(isinstance(p, DTensor) for p in model.parameters())):
+            raise ValueError("fused_qkv needs a model of plain tensors (not FSDP2- or TP-sharded)")
+        self.fused_qkv = fused_qkv
         self._decode_stream: torch.cuda.Stream | None = None
         self._caller_stream: torch.cuda.Stream | None = None  # generate's stream while decode runs on its own
         self.pool: GroupKVPool | None = None
@@ -146,7 +152,7 @@ class RolloutEngine:
         model = self.model
         h = model.tok_embeddings(tokens[:, None])
         attn = GroupedDecodeAttention(self.pool, suffix_len, self.decode_kernel, self.flex_options)
-        hidden = model.decode(h, positions.view(1, -1, 1).expand(3, -1, 1), attn)
+        hidden = model.decode(h, positions.view(1, -1, 1).expand(3, -1, 1), attn, fused_qkv=self.fused_qkv)
         return sample(model.logits(hidden[:, 0]), params, seeds, steps)
 
     def _step(self, params: SamplingParams):
@@ -271,6 +277,8 @@ class RolloutEngine:
         admit()
         collect_finished()
         admit()
+        if self.fused_qkv:
+            self.model.fuse_qkv()  # from this step's weights; in place, so a captured decode graph stays valid
         step_fn = self._step(params)
         with self._on_decode_stream():
             t_decode = time.perf_counter()

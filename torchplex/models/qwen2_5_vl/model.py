@@ -224,11 +224,34 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=True)
         self.wo = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, attn, layer: int):
+        # A fused copy of wq|wk|wv (weight, bias) for no-grad decode: one projection launch instead of three, which
+        # at decode batch sizes are each latency-bound. Not a parameter: refreshed by fuse_qkv() after the weights
+        # change, in place, so a CUDA graph that reads it stays valid.
+        self.qkv_copy: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def fuse_qkv(self) -> None:
+        parts = (self.wq, self.wk, self.wv)
+        if self.qkv_copy is None:
+            rows = sum(m.weight.shape[0] for m in parts)
+            w = self.wq.weight
+            self.qkv_copy = (w.new_empty(rows, w.shape[1]), w.new_empty(rows))
+        start = 0
+        for m in parts:
+            end = start + m.weight.shape[0]
+            self.qkv_copy[0][start:end].copy_(m.weight)
+            self.qkv_copy[1][start:end].copy_(m.bias)
+            start = end
+
+    def forward(self, x, cos, sin, attn, layer: int, fused_qkv: bool = False):
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if fused_qkv:  # the decode step, after fuse_qkv(); never with autograd (the copy has none)
+            qkv = F.linear(x, *self.qkv_copy).view(b, t, -1, self.head_dim).transpose(1, 2)
+            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        else:
+            q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+            k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+            v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = attn(layer, q, k, v)
@@ -243,8 +266,8 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.feed_forward = GatedMLP(args.hidden_size, args.intermediate_size, bias=False)
 
-    def forward(self, h, cos, sin, attn, layer: int):
-        h = h + self.attention(self.attention_norm(h), cos, sin, attn, layer)
+    def forward(self, h, cos, sin, attn, layer: int, fused_qkv: bool = False):
+        h = h + self.attention(self.attention_norm(h), cos, sin, attn, layer, fused_qkv)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -309,12 +332,18 @@ class Qwen2_5_VLModel(nn.Module):
                 h = h.masked_scatter(slots[..., None], embeds.to(h.dtype))
         return h
 
-    def decode(self, h: torch.Tensor, position_ids: torch.Tensor, attn) -> torch.Tensor:
-        """Run the decoder layers over embeddings h (B, T, D) at positions (3, B, T); final-norm hidden."""
+    def decode(self, h: torch.Tensor, position_ids: torch.Tensor, attn, fused_qkv: bool = False) -> torch.Tensor:
+        """Run the decoder layers over embeddings h (B, T, D) at positions (3, B, T); final-norm hidden.
+        fused_qkv: project q/k/v with the fused copies of `fuse_qkv()` (no-grad decode only)."""
         cos, sin = mrope_cos_sin(self.args.text, position_ids, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, attn, i)
+            h = layer(h, cos, sin, attn, i, fused_qkv) if fused_qkv else layer(h, cos, sin, attn, i)
         return self.norm(h)
+
+    def fuse_qkv(self) -> None:
+        """(Re)build every layer's fused q/k/v copy from the current weights (in place after the first call)."""
+        for layer in self.layers:
+            layer.attention.fuse_qkv()
 
     # ---- (d) full sequence --------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
