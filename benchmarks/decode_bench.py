@@ -55,7 +55,7 @@ def copy_bandwidth(device) -> float:
 
 def native_decode(model, batch: int, context: int, steps: int, warmup: int, compile_decode: bool,
                   kernel: str | None = None, graphs: bool = True, profile_dir: str = "",
-                  flex_options: dict | None = None, group: int = 1, fused_qkv: bool = False):
+                  flex_options: dict | None = None, group: int = 1, fused_qkv: bool | None = None):
     """Seconds per decode step (and the first step's seconds: compilation + capture) of `batch` sequences in
     groups of `group` samples sharing one prompt context."""
     args = model.args
@@ -63,7 +63,7 @@ def native_decode(model, batch: int, context: int, steps: int, warmup: int, comp
         raise ValueError(f"--batch {batch} is not a multiple of --group {group}")
     engine = RolloutEngine(model, kv_pool_bytes=200 * 2**30, max_batch=batch, compile_decode=compile_decode,
                            decode_kernel=kernel, flex_options=flex_options, fused_qkv=fused_qkv)
-    if fused_qkv:
+    if engine.fused_qkv:
         model.fuse_qkv()  # what generate() does before decoding
     engine.use_graphs = engine.use_graphs and graphs
     max_new = steps + warmup + 2 + 4  # 4: the profiled steps
@@ -198,8 +198,8 @@ def main():
     ap.add_argument("--eager", action="store_true", help="no compile, no CUDA graph: launch every kernel each step")
     ap.add_argument("--baseline", action="store_true",
                     help="also time the matmul-attention step compiled (no flex) and eager (no compile, no graph)")
-    ap.add_argument("--fused-qkv", action="store_true", help="also time the step with q/k/v projected by one GEMM "
-                    "on a fused copy of the weights (RolloutEngine(fused_qkv=True))")
+    ap.add_argument("--qkv-baseline", action="store_true", help="also time the step with q/k/v projected by three "
+                    "GEMMs (RolloutEngine(fused_qkv=False); the engine's default on CUDA fuses them)")
     ap.add_argument("--profile-dir", default="", help="write per-kernel GPU time tables of a few steps here")
     ap.add_argument("--flex-options-file", default="", help="JSON of benchmarks/probes/flex_decode_tune.py: use its "
                     "fastest kernel options for the prompt call (key '<groups>x7x<context>')")
@@ -251,20 +251,21 @@ def main():
     tuned = json.loads(Path(a.flex_options_file).read_text()) if a.flex_options_file else {}
     for group in a.group:
         variants = [("compiled", not a.eager, None, True)]
-        if a.fused_qkv:
-            variants.append(("compiled_fused_qkv", True, None, True))
+        if a.qkv_baseline:
+            variants.append(("compiled_separate_qkv", True, None, True))
         if a.baseline:
             variants += [("compiled_matmul", True, "matmul", True), ("eager_matmul", False, "matmul", False)]
         for batch in a.batch:
             for label, compile_decode, kernel, graphs in variants:
-                if label not in ("compiled", "compiled_fused_qkv") and batch != a.batch[0]:
+                if label not in ("compiled", "compiled_separate_qkv") and batch != a.batch[0]:
                     continue
                 options = tuned.get(f"{batch}x7x{a.context}", {}).get("options") if group == 1 else None
                 t = time.perf_counter()
                 try:
                     per_step, kv_bytes, first_s = native_decode(model, batch, a.context, a.steps, a.warmup,
                                                                 compile_decode, kernel, graphs, a.profile_dir,
-                                                                options, group, label.endswith("fused_qkv"))
+                                                                options, group,
+                                                                False if label.endswith("separate_qkv") else None)
                 except Exception as err:  # keep the other variants' numbers
                     print(json.dumps({"batch": batch, "group": group, "variant": label, "error": repr(err)[:2000]}),
                           flush=True)

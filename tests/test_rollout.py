@@ -216,3 +216,4 @@ def test_fused_qkv_decode_equals_separate_projections_and_follows_weight_updates
                 assert ((lg - lw).abs().max() / lw.abs().max()).item() < RTOL
     assert all(layer.attention.qkv_copy is not None for layer in trained.layers)
     assert not any("qkv_copy" in name for name, _ in trained.named_parameters())
+    assert not RolloutEngine(model, kv_pool_bytes=2**20).fused_qkv  # the default fuses only compiled CUDA decode
