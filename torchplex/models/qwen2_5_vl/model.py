@@ -231,10 +231,11 @@ class Attention(nn.Module):
 
     @torch.no_grad()
     def fuse_qkv(self) -> None:
+        """Copy the current wq|wk|wv into the fused copy (allocated on first use, or when the weights moved)."""
         parts = (self.wq, self.wk, self.wv)
-        if self.qkv_copy is None:
+        w = self.wq.weight
+        if self.qkv_copy is None or (self.qkv_copy[0].device, self.qkv_copy[0].dtype) != (w.device, w.dtype):
             rows = sum(m.weight.shape[0] for m in parts)
-            w = self.wq.weight
             self.qkv_copy = (w.new_empty(rows, w.shape[1]), w.new_empty(rows))
         start = 0
         for m in parts:
