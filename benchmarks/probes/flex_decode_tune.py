@@ -1,6 +1,7 @@
 """Time the decode kernel of the prompt part (flex decoding, GQA folded into query rows) over kernel options.
 
     python benchmarks/probes/flex_decode_tune.py --out best.json   # H200: writes the fastest options per shape
+    python benchmarks/probes/flex_decode_tune.py --shapes n8        # GRPO groups of 8 (56 query rows per K/V head)
 
 Shapes are the 7B decode bench's: groups x 4 K/V heads, 7 query rows (n=1) or 56 (n=8), 2048 prompt tokens. Each
 configuration is compiled once and timed with triton's do_bench; achieved bandwidth = K/V bytes / time.
@@ -36,13 +37,20 @@ def time_config(groups, rows, length, options):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
+    ap.add_argument("--shapes", default="n1", choices=["n1", "n8"], help="n1: 64 and 256 groups of one sample "
+                    "(7 rows); n8: 8 and 32 groups of 8 samples (56 rows), the decode bench's batch 64 and 256")
+    ap.add_argument("--watchdog-s", type=int, default=170)
     a = ap.parse_args()
-    faulthandler.dump_traceback_later(170, exit=True)
+    faulthandler.dump_traceback_later(a.watchdog_s, exit=True)
     kernels = [dict(BLOCK_N=64, num_stages=3, num_warps=2), dict(BLOCK_N=64, num_stages=3, num_warps=4),
                dict(BLOCK_N=128, num_stages=3, num_warps=4), dict(BLOCK_N=128, num_stages=2, num_warps=8)]
     # (shape, splits to try): None is flex's own choice (2 per SM over batch x heads, at least 1)
-    plan = [((64, 7, 2048), (None, 2, 4, 8), kernels), ((256, 7, 2048), (None, 2), kernels),
-            ((8, 56, 2048), (None, 16), kernels[:3:2])]
+    if a.shapes == "n1":
+        plan = [((64, 7, 2048), (None, 2, 4, 8), kernels), ((256, 7, 2048), (None, 2), kernels),
+                ((8, 56, 2048), (None, 16), kernels[:3:2])]
+    else:  # few groups, many rows: the split over the prompt is what spreads the work over the SMs
+        kernels_n8 = kernels + [dict(BLOCK_N=64, num_stages=1, num_warps=4), dict(BLOCK_N=32, num_stages=3, num_warps=4)]
+        plan = [((8, 56, 2048), (None, 4, 16, 32), kernels_n8), ((32, 56, 2048), (None, 2, 8), kernels_n8)]
     best = {}
     cases = [(shape, split, kern) for shape, splits, kerns in plan for split in splits for kern in kerns]
     for (groups, rows, length), split, kern in cases:
