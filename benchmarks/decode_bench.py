@@ -202,7 +202,7 @@ def main():
                     "GEMMs (RolloutEngine(fused_qkv=False); the engine's default on CUDA fuses them)")
     ap.add_argument("--profile-dir", default="", help="write per-kernel GPU time tables of a few steps here")
     ap.add_argument("--flex-options-file", default="", help="JSON of benchmarks/probes/flex_decode_tune.py: use its "
-                    "fastest kernel options for the prompt call (key '<groups>x7x<context>')")
+                    "fastest kernel options for the prompt call (key '<groups>x<rows>x<context>')")
     ap.add_argument("--long-steps", type=int, default=0, help="replays in the long-run hang check")
     ap.add_argument("--out", default="")
     ap.add_argument("--watchdog-s", type=int, default=540, help="dump stacks and exit if still running")
@@ -259,7 +259,8 @@ def main():
             for label, compile_decode, kernel, graphs in variants:
                 if label not in ("compiled", "compiled_separate_qkv") and batch != a.batch[0]:
                     continue
-                options = tuned.get(f"{batch}x7x{a.context}", {}).get("options") if group == 1 else None
+                rows = args.text.num_heads // args.text.num_kv_heads * group  # query rows per K/V head
+                options = tuned.get(f"{batch // group}x{rows}x{a.context}", {}).get("options")
                 t = time.perf_counter()
                 try:
                     per_step, kv_bytes, first_s = native_decode(model, batch, a.context, a.steps, a.warmup,
