@@ -152,7 +152,7 @@ def full_steps(a, args, dtype, device, prompts):
              "overlapped": PlanOptions(mode="overlapped")}
     if a.window:  # the reference prefixes and finished samples' reference log-probs on the window thread
         plans["overlapped_window"] = PlanOptions(mode="overlapped", ref_prefix_in_window=True,
-                                                 ref_suffix_in_window=True)
+                                                 ref_suffix_in_window=True, window_sample_batch=a.window_sample_batch)
         if a.decode_priority:  # the same, with decode steps on a high-priority stream
             plans["overlapped_window_prio"] = plans["overlapped_window"]
     if a.ref_prefix_graphs:  # both prefix modes again with the bucketed reference prefix: its gain in each
@@ -250,6 +250,8 @@ def main():
     ap.add_argument("--window", action="store_true", help="with --full-step: one more overlapped row with the "
                     "reference prefixes and the reference log-probs of finished samples in the decode window (a "
                     "second host thread; the planner's default keeps them after rollout)")
+    ap.add_argument("--window-sample-batch", type=int, default=0, help="with --window: finished samples of a prompt "
+                    "scored per window job (0: half a group; 1: every sample as soon as it is seen finished)")
     ap.add_argument("--decode-priority", action="store_true", help="with --window: one more row, the window row "
                     "with decode steps on a high-priority CUDA stream")
     ap.add_argument("--ref-prefix-graphs", action="store_true", help="with --full-step: also run decomposed and "

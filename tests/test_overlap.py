@@ -82,7 +82,8 @@ def setup(grpo_assets):
     return grpo_assets.processor, grpo_assets.prompts, grpo_assets.actor, grpo_assets.reference
 
 
-def run(setup, mode, frozen, ppo_epochs=1, suffix_window=False, threaded=False, stops=None, max_new=6):
+def run(setup, mode, frozen, ppo_epochs=1, suffix_window=False, threaded=False, stops=None, max_new=6,
+        sample_batch=0):
     """One step; stops: stop token ids (default <|im_end|>); threaded: the window's jobs on their own thread."""
     processor, prompts, base, reference = setup
     actor = copy.deepcopy(base)
@@ -94,7 +95,8 @@ def run(setup, mode, frozen, ppo_epochs=1, suffix_window=False, threaded=False, 
     optimizer = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=0.1)
     settings = StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=4, ppo_epochs=ppo_epochs,
                             grad_clip=1e9, loss=PolicyLossConfig(kl_coef=0.1),
-                            plan=PlanOptions(mode=mode, ref_prefix_in_window=True, ref_suffix_in_window=suffix_window))
+                            plan=PlanOptions(mode=mode, ref_prefix_in_window=True, ref_suffix_in_window=suffix_window,
+                                             window_sample_batch=sample_batch))
     runner = StepRunner(actor, ref, engine, optimizer, None, processor.tokenizer, settings)
     if threaded:
         runner.window = WindowWorker(runner.device, threaded=True)
@@ -152,12 +154,13 @@ def long_tail_stops(setup):
     return list(range(vocab // 2, vocab))
 
 
-@pytest.mark.parametrize("threaded", [False, True])
-def test_reference_scored_in_the_window_equals_decomposed(setup, threaded):
+@pytest.mark.parametrize("threaded,sample_batch", [(False, 0), (True, 0), (False, 1), (False, 4)])
+def test_reference_scored_in_the_window_equals_decomposed(setup, threaded, sample_batch):
+    """Samples scored in the window as they finish, `sample_batch` at a time per prompt (0: half a group of 4)."""
     stops = long_tail_stops(setup)
     dec, dec_actor, _ = run(setup, "decomposed", True, stops=stops, max_new=12)
     ovl, ovl_actor, runner = run(setup, "overlapped", True, suffix_window=True, threaded=threaded, stops=stops,
-                                 max_new=12)
+                                 max_new=12, sample_batch=sample_batch)
     assert torch.equal(dec.experience.tokens, ovl.experience.tokens)
     lengths = dec.experience.lengths.view(3, 4).max(dim=1).values.tolist()
     assert len(set(lengths)) > 1, lengths  # groups finish at different steps: some are scored while others decode
@@ -169,7 +172,10 @@ def test_reference_scored_in_the_window_equals_decomposed(setup, threaded):
         assert rel(a, b) < RTOL, name
     window = [s.name for s in ovl.timeline.spans if s.lane == "window"]
     assert window.count("ref_prefix") == 3
-    assert window.count("ref_suffix") > 3  # samples of one group finished at different checks: scored in parts
+    if sample_batch == 4:  # a whole group: one job per prompt
+        assert window.count("ref_suffix") == 3
+    else:  # samples of one group finished at different checks: scored in parts, at most 4 // batch + 1 per prompt
+        assert 3 < window.count("ref_suffix") <= 3 * (4 // (sample_batch or 2) + 1)
     rollout = next(s for s in ovl.timeline.spans if s.name == "rollout")
     assert all(rollout.start_s <= s.start_s <= rollout.end_s for s in ovl.timeline.spans if s.lane == "window")
     assert runner.window.jobs_run == len(window)

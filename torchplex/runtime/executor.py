@@ -127,14 +127,22 @@ class StepRunner:
                     for i in range(len(prompts)):
                         ref_prefix_job(i)
         if in_window("ref_suffix"):
+            # A job per `batch` finished samples of a prompt, and one for its last ones: each job is an eager forward
+            # whose host cost hardly depends on its size, so fewer, larger jobs leave decode more of the host.
+            batch = st.plan.window_sample_batch or max(1, params.n // 2)
+            pending: dict[int, list] = {}
+            finished_count = [0] * len(prompts)
+
             def on_samples_finished(outputs):
-                by_prompt: dict[int, list] = {}
                 for o in outputs:
-                    by_prompt.setdefault(o.prompt_index, []).append(o)
-                for i, outs in by_prompt.items():
-                    ref_prefix_job(i)  # queued before its samples' job: the window runs jobs in order
-                    self.window.submit(lambda i=i, outs=outs: self._window_ref_samples(
-                        prompts, i, params.n, outs, ref_scored, timeline))
+                    i = o.prompt_index
+                    pending.setdefault(i, []).append(o)
+                    finished_count[i] += 1
+                    if len(pending[i]) >= batch or finished_count[i] == params.n:
+                        outs = pending.pop(i)
+                        ref_prefix_job(i)  # queued before its samples' job: the window runs jobs in order
+                        self.window.submit(lambda i=i, outs=outs: self._window_ref_samples(
+                            prompts, i, params.n, outs, ref_scored, timeline))
 
         with phase("rollout"):
             try:

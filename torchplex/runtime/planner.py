@@ -50,6 +50,7 @@ class PlanOptions:
     # overlapped: the reference log-probs of each sample scored in the decode window as soon as it has finished, on
     # its prompt's held prefix (what the window did not score, the reference phase does); equal up to rounding.
     ref_suffix_in_window: bool = False
+    window_sample_batch: int = 0  # the window scores a prompt's finished samples this many at a time; 0: half a group
     # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket, captured on CUDA
     # (runtime/prefix_graphs.py): an eager prefix is host-bound (3B, 987 tokens: ~0.17 s of host time on the H200).
     ref_prefix_graphs: bool = False
@@ -159,8 +160,9 @@ def plan_step(shape: StepShape, options: PlanOptions) -> Schedule:
             s.reasons.append("reference prefix as compiled graphs per prompt-length bucket (replayed CUDA graphs on a "
                              "GPU): microseconds of host time per prompt instead of one launch per kernel")
         if suffix_window:
+            batch = options.window_sample_batch or max(1, g // 2)
             s.phases.append(Phase("ref_suffix", placement="window:rollout", depends_on=("rollout", "ref_prefix"),
-                                  tokens=R, note="per sample, once it has finished"))
+                                  tokens=R, note=f"per {batch} finished samples of a prompt, and its last ones"))
             s.reasons.append("reference suffixes of finished samples scored in the decode window: the slowest "
                              "samples decode on while the others are scored")
         else:
