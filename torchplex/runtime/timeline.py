@@ -1,4 +1,4 @@
-"""Wall-clock timeline of a real step: phases and window slices per lane, as a Chrome trace or a PNG."""
+"""Wall-clock timeline of a real step: phases and decode-window jobs per lane, as a Chrome trace or a PNG."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ class Timeline:
 
     @contextmanager
     def span(self, name: str, lane: str = "main", sync: bool = True):
-        """sync=False for work launched beside another lane (decode-window slices): synchronising there would
-        serialise the two lanes; such a span then records host launch time only."""
+        """A span of the calling thread's current stream: the decode window's jobs, on their own thread and side
+        stream, record when their GPU work completed without holding up the decode loop. sync=False records host
+        launch time only (for work launched beside another lane from the same thread)."""
         sync = sync and self.sync_cuda
         # The current stream only: copies the memory manager runs on its own streams keep going across phases.
         if sync:
