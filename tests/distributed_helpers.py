@@ -25,9 +25,23 @@ def init_gloo(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
 
+def _run_then_exit(rank: int, fn, *args) -> None:
+    """fn(rank, *args), then leave without the interpreter's finalisation: once a worker has destroyed its process
+    group and written its result, gloo's C++ threads can still abort it at teardown ("terminate called without an
+    active exception", seen once in CI on torch 2.13), which spawn reports as the test's failure. An exception from fn
+    still propagates as usual."""
+    import sys
+
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn(fn, world_size: int, args: tuple, timeout_s: float, what: str = "") -> None:
     """Run fn(rank, world_size, *args) in world_size spawned processes; fail the test past the deadline."""
-    context = mp.start_processes(fn, args=(world_size, *args), nprocs=world_size, join=False, start_method="spawn")
+    context = mp.start_processes(_run_then_exit, args=(fn, world_size, *args), nprocs=world_size, join=False,
+                                 start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
