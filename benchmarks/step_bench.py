@@ -187,11 +187,12 @@ def full_steps(a, args, dtype, device, prompts):
                   + f" | rollout: prefill {st.prefill_s - before.prefill_s:.2f} decode {st.decode_s - before.decode_s:.2f}"
                   f" ({st.decode_steps - before.decode_steps} steps, graph capture {st.capture_s - before.capture_s:.2f})",
                   flush=True)
-            in_window = [sp.name for sp in out.timeline.spans if sp.lane == "window"]
+            window_spans = [sp for sp in out.timeline.spans if sp.lane == "window"]
+            in_window = [sp.name for sp in window_spans]
             if in_window:
+                busy_s = sum(sp.end_s - sp.start_s for sp in window_spans)
                 print(f"  window: {in_window.count('ref_prefix')} reference prefixes, {in_window.count('ref_suffix')} "
-                      f"reference sample batches (GPU-complete spans {sum(sp.end_s - sp.start_s for sp in out.timeline.spans if sp.lane == 'window'):.2f}s)",
-                      flush=True)
+                      f"reference sample batches (GPU-complete spans {busy_s:.2f}s)", flush=True)
             if rep:
                 window_counts[m].append((in_window.count("ref_prefix"), in_window.count("ref_suffix")))
                 times[m]["step_s"].append(step_s)

@@ -49,7 +49,8 @@ def main():
         plan = [((64, 7, 2048), (None, 2, 4, 8), kernels), ((256, 7, 2048), (None, 2), kernels),
                 ((8, 56, 2048), (None, 16), kernels[:3:2])]
     else:  # few groups, many rows: the split over the prompt is what spreads the work over the SMs
-        kernels_n8 = kernels + [dict(BLOCK_N=64, num_stages=1, num_warps=4), dict(BLOCK_N=32, num_stages=3, num_warps=4)]
+        kernels_n8 = kernels + [dict(BLOCK_N=64, num_stages=1, num_warps=4),
+                                dict(BLOCK_N=32, num_stages=3, num_warps=4)]
         plan = [((8, 56, 2048), (None, 4, 16, 32), kernels_n8), ((32, 56, 2048), (None, 2, 8), kernels_n8)]
     best = {}
     cases = [(shape, split, kern) for shape, splits, kerns in plan for split in splits for kern in kerns]
