@@ -180,11 +180,10 @@ def main(argv=None) -> dict:
                           nbytes=master.workspace_bytes())]
     groups += [TensorGroup(name, frozenset({phase}), "transient", nbytes=b) for name, (phase, b) in estimates.items()]
     # the rollout's fused q/k/v copy (RolloutEngine.fused_qkv, on by default on CUDA): on the device in every phase
-    qkv = [m.weight for layer in actor.layers for m in (layer.attention.wq, layer.attention.wk, layer.attention.wv)]
-    qkv += [m.bias for layer in actor.layers for m in (layer.attention.wq, layer.attention.wk, layer.attention.wv)]
     if a.plan_only or engine.fused_qkv:
-        groups.append(TensorGroup("decode_qkv_copy", frozenset(PHASES), "transient",
-                                  nbytes=sum(t.numel() * t.element_size() for t in qkv)))
+        qkv_bytes = sum(t.numel() * t.element_size() for layer in actor.layers
+                        for m in (layer.attention.wq, layer.attention.wk, layer.attention.wv) for t in (m.weight, m.bias))
+        groups.append(TensorGroup("decode_qkv_copy", frozenset(PHASES), "transient", nbytes=qkv_bytes))
     budget = int(a.budget_gib * GiB)
     plan = MemoryPlan.build(groups, PHASES, budget_bytes=budget, stream_window=a.stream_window,
                             max_resident_chunks=None if a.max_resident_chunks < 0 else a.max_resident_chunks)

@@ -7,6 +7,13 @@ import time
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def plain_tensors(model) -> bool:
+    """Whether a model's weights are plain tensors: FSDP2 units gather theirs in hooks and DTensor ops cannot be
+    captured, so captured graphs and weight copies made for them (the decode step's fused q/k/v) need this."""
+    return not hasattr(model, "unshard") and not any(isinstance(p, DTensor) for p in model.parameters())
 
 
 class CapturedStep:

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from ..components.captured_step import CapturedStep
+from ..components.captured_step import CapturedStep, plain_tensors
 from ..data.batching import collate, encode_visuals
 from ..models.attention import PrefixState
 from .kv_pool import DECODE_KERNELS, GroupedDecodeAttention, GroupKVPool, PoolTooSmallError
@@ -103,7 +102,7 @@ class RolloutEngine:
         # refreshed at every generate; 2*(H + 2*Hkv)*D*hidden bytes per layer, 0.9 GiB at 7B bf16). Measured on the
         # H200 (docs/benchmarks.md): 7B, 8 prompts x 8 samples, 6.24 -> 5.60 ms per step. Default: wherever the
         # decode step is compiled on CUDA and the weights are plain tensors.
-        plain = not hasattr(model, "unshard") and not any(isinstance(p, DTensor) for p in model.parameters())
+        plain = plain_tensors(model)
         if fused_qkv and not plain:
             raise ValueError("fused_qkv needs a model of plain tensors (not FSDP2- or TP-sharded)")
         self.fused_qkv = (self.use_compile and self.device.type == "cuda" and plain) if fused_qkv is None \
@@ -255,17 +254,17 @@ class RolloutEngine:
             return SampleOutput(i, s % n, toks, out_logprobs[s, :c].tolist(), reason)
 
         def collect_finished():
-            if on_samples_finished is not None:  # per sample: one more small copy per check
-                slot_active, counts = active.tolist(), gen_count.tolist()
-                new = [finished_samples.setdefault(s, sample_output(s, i, counts[s]))
-                       for g, i in owner.items() for s in range(g * n, (g + 1) * n)
-                       if not slot_active[s] and s not in finished_samples]
+            slot_active = active.tolist()
+            if on_samples_finished is not None:
+                counts, new = gen_count.tolist(), []
+                for g, i in owner.items():
+                    for s in range(g * n, (g + 1) * n):
+                        if not slot_active[s] and s not in finished_samples:
+                            finished_samples[s] = sample_output(s, i, counts[s])
+                            new.append(finished_samples[s])
                 if new:
                     on_samples_finished(new)
-                act = [any(slot_active[g * n:(g + 1) * n]) for g in range(pool.num_groups)]
-            else:
-                act = active.view(pool.num_groups, n).any(dim=1).tolist()
-            done_groups = [g for g, i in owner.items() if not act[g]]
+            done_groups = [g for g in owner if not any(slot_active[g * n:(g + 1) * n])]
             if not done_groups:
                 return
             counts = gen_count.tolist()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..components.captured_step import plain_tensors
 from ..models.qwen2_5_vl.parallelize import reshard
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
@@ -24,7 +25,7 @@ from .decomposition import DecomposedScorer
 from .grpo_step import (Experience, TrainResult, build_experience, reference_phase, request_from_outputs,
                         train_phase)
 from .planner import PlanOptions, Schedule, StepShape, plan_step
-from .prefix_graphs import PrefixGraphs, graphs_supported
+from .prefix_graphs import PrefixGraphs
 from .scoring import SerialScorer
 from .timeline import Timeline
 from .window import WindowWorker
@@ -69,7 +70,7 @@ class StepRunner:
         self.scorer = (SerialScorer(pad_id) if mode == "serial"
                        else DecomposedScorer(pad_id, checkpoint_prefix=settings.checkpoint_prefix))
         if settings.plan.ref_prefix_graphs and mode != "serial" and reference is not None:
-            if not graphs_supported(reference):
+            if not plain_tensors(reference):
                 raise ValueError("runtime.ref_prefix_graphs needs a reference model of plain tensors (tp 1, not FSDP2-"
                                  "sharded); turn it off for this parallelism")
             self.scorer.prefix_graphs[id(reference)] = PrefixGraphs(reference)
@@ -129,7 +130,7 @@ class StepRunner:
         if in_window("ref_suffix"):
             # A job per `batch` finished samples of a prompt, and one for its last ones: each job is an eager forward
             # whose host cost hardly depends on its size, so fewer, larger jobs leave decode more of the host.
-            batch = st.plan.window_sample_batch or max(1, params.n // 2)
+            batch = st.plan.sample_batch(params.n)
             pending: dict[int, list] = {}
             finished_count = [0] * len(prompts)
 

@@ -56,6 +56,10 @@ class PlanOptions:
     ref_prefix_graphs: bool = False
     held_activation_budget_bytes: int = 2**62     # fusion holds prefix activations across the rollout
 
+    def sample_batch(self, group_size: int) -> int:
+        """Finished samples of a prompt per reference window job."""
+        return self.window_sample_batch or max(1, group_size // 2)
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -160,7 +164,7 @@ def plan_step(shape: StepShape, options: PlanOptions) -> Schedule:
             s.reasons.append("reference prefix as compiled graphs per prompt-length bucket (replayed CUDA graphs on a "
                              "GPU): microseconds of host time per prompt instead of one launch per kernel")
         if suffix_window:
-            batch = options.window_sample_batch or max(1, g // 2)
+            batch = options.sample_batch(g)
             s.phases.append(Phase("ref_suffix", placement="window:rollout", depends_on=("rollout", "ref_prefix"),
                                   tokens=R, note=f"per {batch} finished samples of a prompt, and its last ones"))
             s.reasons.append("reference suffixes of finished samples scored in the decode window: the slowest "

@@ -22,7 +22,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ..components.captured_step import CapturedStep
+from ..components.captured_step import CapturedStep, plain_tensors
 from ..models.attention import PrefixState, sdpa
 
 log = logging.getLogger(__name__)
@@ -43,13 +43,6 @@ class _RecordingCausal:
         return sdpa(q, k, v, is_causal=True)
 
 
-def graphs_supported(model) -> bool:
-    """Plain tensors only: FSDP2 units gather their weights in hooks and DTensor ops cannot be captured here."""
-    from torch.distributed.tensor import DTensor
-
-    return not hasattr(model, "unshard") and not any(isinstance(p, DTensor) for p in model.parameters())
-
-
 class PrefixGraphs:
     """No-grad prefix forwards of one frozen model, compiled per bucket of prompt length (and captured on CUDA).
 
@@ -59,7 +52,7 @@ class PrefixGraphs:
 
     def __init__(self, model, *, bucket: int = PREFIX_BUCKET, compile: bool | None = None,
                  capture: bool | None = None):
-        if not graphs_supported(model):
+        if not plain_tensors(model):
             raise ValueError("PrefixGraphs needs a model of plain tensors (not FSDP2/DTensor-sharded)")
         self.model = model
         self.bucket = bucket

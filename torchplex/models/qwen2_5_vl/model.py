@@ -338,7 +338,7 @@ class Qwen2_5_VLModel(nn.Module):
         fused_qkv: project q/k/v with the fused copies of `fuse_qkv()` (no-grad decode only)."""
         cos, sin = mrope_cos_sin(self.args.text, position_ids, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, attn, i, fused_qkv) if fused_qkv else layer(h, cos, sin, attn, i)
+            h = layer(h, cos, sin, attn, i, fused_qkv)
         return self.norm(h)
 
     def fuse_qkv(self) -> None:
