@@ -55,14 +55,16 @@ def copy_bandwidth(device) -> float:
 
 def native_decode(model, batch: int, context: int, steps: int, warmup: int, compile_decode: bool,
                   kernel: str | None = None, graphs: bool = True, profile_dir: str = "",
-                  flex_options: dict | None = None, group: int = 1, fused_qkv: bool | None = None):
+                  flex_options: dict | None = None, group: int = 1, fused_qkv: bool | None = None,
+                  compile_options: dict | None = None):
     """Seconds per decode step (and the first step's seconds: compilation + capture) of `batch` sequences in
     groups of `group` samples sharing one prompt context."""
     args = model.args
     if batch % group:
         raise ValueError(f"--batch {batch} is not a multiple of --group {group}")
     engine = RolloutEngine(model, kv_pool_bytes=200 * 2**30, max_batch=batch, compile_decode=compile_decode,
-                           decode_kernel=kernel, flex_options=flex_options, fused_qkv=fused_qkv)
+                           decode_kernel=kernel, flex_options=flex_options, fused_qkv=fused_qkv,
+                           compile_options=compile_options)
     if engine.fused_qkv:
         model.fuse_qkv()  # what generate() does before decoding
     engine.use_graphs = engine.use_graphs and graphs
@@ -98,10 +100,13 @@ def native_decode(model, batch: int, context: int, steps: int, warmup: int, comp
     per_step = (time.perf_counter() - t) / steps
     if profile_dir:
         kernel_table(lambda: [run(warmup + steps + i) for i in range(4)], Path(profile_dir),
-                     f"b{batch}_n{group}_{engine.decode_kernel}")
+                     f"b{batch}_n{group}_{engine.decode_kernel}" + ("_autotune" if compile_options else ""))
     kv_bytes = sum(x.numel() * x.element_size() for x in pool.prefix_k + pool.prefix_v)
     engine.release()
     return per_step, kv_bytes, first_s
+
+
+AUTOTUNE = {"max_autotune_gemm": True}
 
 
 def kernel_table(work, out_dir: Path, name: str, top: int = 25) -> None:
@@ -195,6 +200,9 @@ def main():
     ap.add_argument("--hf", action="store_true", help="also time transformers' generate")
     ap.add_argument("--hf-new-tokens", type=int, default=32)
     ap.add_argument("--hf-batch", type=int, nargs="+", default=[64], help="batches to time transformers at")
+    ap.add_argument("--autotune", action="store_true", help="also time the step compiled with inductor's GEMM "
+                    "autotuning (RolloutEngine(compile_options={'max_autotune_gemm': True}): Triton templates "
+                    "against cuBLAS per shape)")
     ap.add_argument("--eager", action="store_true", help="no compile, no CUDA graph: launch every kernel each step")
     ap.add_argument("--baseline", action="store_true",
                     help="also time the matmul-attention step compiled (no flex) and eager (no compile, no graph)")
@@ -253,20 +261,23 @@ def main():
         variants = [("compiled", not a.eager, None, True)]
         if a.qkv_baseline:
             variants.append(("compiled_separate_qkv", True, None, True))
+        if a.autotune:
+            variants.append(("compiled_autotune", True, None, True))
         if a.baseline:
             variants += [("compiled_matmul", True, "matmul", True), ("eager_matmul", False, "matmul", False)]
         for batch in a.batch:
             for label, compile_decode, kernel, graphs in variants:
-                if label not in ("compiled", "compiled_separate_qkv") and batch != a.batch[0]:
+                if label not in ("compiled", "compiled_separate_qkv", "compiled_autotune") and batch != a.batch[0]:
                     continue
-                rows = args.text.num_heads // args.text.num_kv_heads * group  # query rows per K/V head
-                options = tuned.get(f"{batch // group}x{rows}x{a.context}", {}).get("options")
+                q_rows = args.text.num_heads // args.text.num_kv_heads * group  # query rows per K/V head
+                options = tuned.get(f"{batch // group}x{q_rows}x{a.context}", {}).get("options")
                 t = time.perf_counter()
                 try:
                     per_step, kv_bytes, first_s = native_decode(model, batch, a.context, a.steps, a.warmup,
                                                                 compile_decode, kernel, graphs, a.profile_dir,
                                                                 options, group,
-                                                                False if label.endswith("separate_qkv") else None)
+                                                                False if label.endswith("separate_qkv") else None,
+                                                                AUTOTUNE if label.endswith("autotune") else None)
                 except Exception as err:  # keep the other variants' numbers
                     print(json.dumps({"batch": batch, "group": group, "variant": label, "error": repr(err)[:2000]}),
                           flush=True)

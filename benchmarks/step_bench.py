@@ -135,6 +135,7 @@ def full_steps(a, args, dtype, device, prompts):
     from torchplex.rollout.sampling import SamplingParams
     from torchplex.runtime.executor import StepRunner, StepSettings
     from torchplex.runtime.planner import PlanOptions
+    from torchplex.runtime.timeline import draw_timelines
 
     actor = build(args, dtype, device, 0)
     reference = build(args, dtype, device, 1).eval().requires_grad_(False)
@@ -168,8 +169,12 @@ def full_steps(a, args, dtype, device, prompts):
     times = {m: {k: [] for k in phases + ("step_s",)} for m in runners}
     rollout_split = {m: [] for m in runners}
     last = {}
+    order = list(runners)
     for rep in range(a.repeats + 1):
-        for m, runner in runners.items():
+        # Each timed round starts one mode later: a mode's place in the round (what ran just before it, how the
+        # allocator was left) moves through the repeats instead of always favouring or penalising the same mode.
+        for m in order[rep % len(order):] + order[:rep % len(order)]:
+            runner = runners[m]
             engine.decode_priority = m.endswith("_prio")
             before = dataclasses.replace(engine.stats)
             t = time.perf_counter()
@@ -228,6 +233,8 @@ def full_steps(a, args, dtype, device, prompts):
         for m, out in last.items():
             out.timeline.to_chrome_trace(Path(a.timeline_dir) / f"timeline_{m}.json")
             out.timeline.draw(Path(a.timeline_dir) / f"timeline_{m}.png", title=f"{m} step ({a.geometry})")
+        draw_timelines({m: out.timeline for m, out in last.items()}, Path(a.timeline_dir) / "timeline_modes.png",
+                       title=f"one step per mode, last timed round ({a.geometry})")
     return result
 
 

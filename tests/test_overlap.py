@@ -12,6 +12,7 @@ from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.decomposition import DecomposedScorer
 from torchplex.runtime.executor import StepRunner, StepSettings
 from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
+from torchplex.runtime.timeline import Timeline, draw_timelines
 from torchplex.runtime.window import WindowWorker
 
 RTOL = 1e-5
@@ -190,3 +191,9 @@ def test_timeline_exports(setup, tmp_path):
     assert {"vision", "rollout", "ref_prefix", "ref", "train"} <= names
     png = out.timeline.draw(folder / "t.png", title="overlapped")
     assert png.stat().st_size > 1000
+    back = Timeline.from_chrome_trace(folder / "t.json")  # a trace read back is the same spans
+    assert [(s.name, s.lane) for s in back.spans] == [(s.name, s.lane) for s in out.timeline.spans]
+    assert all(abs(a.start_s - b.start_s) < 1e-6 and abs(a.end_s - b.end_s) < 1e-6
+               for a, b in zip(back.spans, out.timeline.spans))
+    both = draw_timelines({"first": out.timeline, "read back": back}, folder / "both.png")
+    assert both.stat().st_size > png.stat().st_size // 2

@@ -67,7 +67,7 @@ class RolloutEngine:
     def __init__(self, model, *, kv_pool_bytes: int, max_batch: int = 256, kv_dtype: torch.dtype | None = None,
                  compile_decode: bool | None = None, prefill_tokens: int = 16384, check_interval: int | None = None,
                  pad_id: int = 0, decode_kernel: str | None = None, flex_options: dict | None = None,
-                 decode_priority: bool = False, fused_qkv: bool | None = None):
+                 decode_priority: bool = False, fused_qkv: bool | None = None, compile_options: dict | None = None):
         self.model = model
         self.kv_pool_bytes = int(kv_pool_bytes)
         self.max_batch = max_batch
@@ -88,6 +88,9 @@ class RolloutEngine:
         if self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
         self.flex_options = flex_options
+        # compile_options: inductor options of the decode step's torch.compile, e.g. {"max_autotune_gemm": True}
+        # (inductor benchmarks Triton GEMM templates against cuBLAS per shape: minutes more compilation).
+        self.compile_options = compile_options
         self._step_params: SamplingParams | None = None
         self._compiled_step = None
         self._compiled_shapes: set = set()  # (sampling params, pool geometry) compiled so far, for the log
@@ -168,7 +171,8 @@ class RolloutEngine:
         if self._step_params != key:
             self._step_params = key  # one object per distinct params: what the compiled step's guards see
             fn = lambda *state: self._decode_step(key, *state)
-            self._compiled_step = torch.compile(fn, dynamic=False) if self.use_compile else fn
+            self._compiled_step = (torch.compile(fn, dynamic=False, options=self.compile_options) if self.use_compile
+                                   else fn)
             self._step_fn = None
         if self._step_fn is None:
             pool = self.pool

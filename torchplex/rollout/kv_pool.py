@@ -33,6 +33,7 @@ class GroupKVPool:
                 f"{budget_bytes / 2**20:.1f} MiB; raise rollout.kv_pool_gib or shorten prompts/max_new_tokens")
         self.num_groups = int(min(fit, max_groups))
         self.free_groups = list(range(self.num_groups))
+        self.prompt_split_kv = prompt_split_kv(self.num_groups, num_kv_heads, self.device)  # host-side, once
         self.prompt_len = torch.zeros(self.num_groups, dtype=torch.long, device=self.device)
         self.prefix_k = self.prefix_v = self.suffix_k = self.suffix_v = None
         self.reserve()
@@ -102,6 +103,19 @@ FLEX_BLOCK = 128  # K/V block of the flex kernels' block masks
 FLEX_PROMPT_OPTIONS = {"BLOCK_N": 64, "num_stages": 3, "num_warps": 4}
 
 
+def prompt_split_kv(groups: int, kv_heads: int, device: torch.device) -> int | None:
+    """Split-K partitions of the prompt call where flex's own choice (two per SM over groups x K/V heads) is four or
+    more: one per SM. With few groups (GRPO pools of n = 8) each partition's fp32 partial output is written and
+    reduced again, and halving flex's count was faster: 8 groups x 56 rows x 2048 tokens ran at 18.8 us with 4
+    partitions against 20.4 us with flex's 8, 31.7 us with 16 (H200, flex_decode_tune.py --shapes n8, 2026-12-01).
+    None: flex's own choice (many groups, where it is 1 or 2)."""
+    if device.type != "cuda":
+        return None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    flex_default = max(sms // max(groups * kv_heads, 1) * 2, 1)
+    return flex_default // 2 if flex_default >= 4 else None
+
+
 def _length_block_mask(lengths: torch.Tensor, inside, q_len: int, kv_len: int) -> BlockMask:
     """Block mask for rows of batch entry b that see keys [0, lengths[b]), built from tensors only (no host sync,
     CUDA-graph safe). Blocks wholly inside the length skip the mask function `inside`; the one straddling it applies
@@ -138,7 +152,10 @@ class GroupedDecodeAttention:
         if kernel not in DECODE_KERNELS:
             raise ValueError(f"decode attention kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
         self.pool, self.kernel = pool, kernel
-        self.flex_options = FLEX_PROMPT_OPTIONS if flex_options is None else flex_options
+        if flex_options is None:
+            split = pool.prompt_split_kv
+            flex_options = FLEX_PROMPT_OPTIONS if split is None else dict(FLEX_PROMPT_OPTIONS, SPLIT_KV=split)
+        self.flex_options = flex_options
         self.suffix_len = suffix_len  # (slots,) tokens already generated = write position
         slots = pool.num_slots
         self.rows = torch.arange(slots, device=pool.device)

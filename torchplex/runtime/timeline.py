@@ -11,6 +11,10 @@ from pathlib import Path
 import torch
 
 
+PHASE_COLOURS = {"vision": "tab:gray", "rollout": "tab:red", "ref": "tab:blue", "ref_prefix": "tab:orange",
+                 "ref_suffix": "tab:green", "train": "tab:purple"}
+
+
 @dataclass
 class Span:
     name: str
@@ -57,28 +61,47 @@ class Timeline:
         return path
 
     def draw(self, path: str | Path, title: str = "") -> Path:
-        import matplotlib
+        return draw_timelines({"": self}, path, title)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    @classmethod
+    def from_chrome_trace(cls, path: str | Path) -> "Timeline":
+        """A timeline written by to_chrome_trace, back (to draw traces of several runs together)."""
+        events = json.loads(Path(path).read_text())["traceEvents"]
+        lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+        return cls(spans=[Span(e["name"], lanes[e["tid"]], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+                          for e in events if e["ph"] == "X"], origin=0.0)
 
-        lanes = sorted({s.lane for s in self.spans}, key=lambda lane: (lane != "main", lane))
-        names = sorted({s.name for s in self.spans})
-        colours = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
-        fig, ax = plt.subplots(figsize=(11, 1.2 + 0.6 * len(lanes)))
-        for s in self.spans:
-            y = lanes.index(s.lane)
+
+def draw_timelines(timelines: dict[str, Timeline], path: str | Path, title: str = "") -> Path:
+    """PNG of one or more timelines on a shared time axis (one row per label and lane), phases in fixed colours."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = []  # (row label, spans)
+    for label, tl in timelines.items():
+        lanes = sorted({s.lane for s in tl.spans}, key=lambda lane: (lane != "main", lane))
+        for lane in lanes:
+            name = lane if not label else (label if lane == "main" else f"{label}: {lane}")
+            rows.append((name, [s for s in tl.spans if s.lane == lane]))
+    names = sorted({s.name for _, spans in rows for s in spans})
+    # One colour per phase in every picture (side-by-side timelines compare), others after them.
+    others = [n for n in names if n not in PHASE_COLOURS]
+    colours = {**PHASE_COLOURS, **{n: plt.get_cmap("tab10")((i + 5) % 10) for i, n in enumerate(others)}}
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.5 * len(rows)))
+    for y, (_, spans) in enumerate(rows):
+        for s in spans:
             ax.broken_barh([(s.start_s, s.end_s - s.start_s)], (y - 0.35, 0.7), color=colours[s.name])
-        ax.set_yticks(range(len(lanes)), lanes)
-        ax.set_xlabel("seconds")
-        ax.invert_yaxis()
-        handles = [plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in names]
-        ax.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=min(len(names), 6),
-                  fontsize=8, frameon=False)
-        ax.set_title(title)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return path
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+    ax.set_xlabel("seconds")
+    ax.invert_yaxis()
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in names]
+    ax.legend(handles, names, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    ax.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
