@@ -208,6 +208,65 @@ def test_two_process_fsdp_run_matches_one_process_run(tmp_path, tiny_ckpt, synth
         torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0.01 * LR, msg=name)
 
 
+UNREWARDED = "unrewarded"  # an answer whose samples all earn 0: dynamic sampling drops the group
+
+
+def write_records_dropping_rank_1_groups(synthetic: Path, path: Path) -> None:
+    """Eight prompts in file order; with 4 prompts a step and 2 ranks (rank r takes positions r, r + 2), rank 1 keeps
+    one group of two at step 1 (position 1 unrewarded) and none at step 2 (positions 5 and 7): the ranks score
+    different numbers of micro-batches, and one has nothing to train on."""
+    train_path, _ = generate_synthetic_task(synthetic, 32, 8, seed=0, image_size=(112, 112))
+    rows = [{"id": r.id, "prompt": r.prompt, "answer": r.answer, "images": r.images} for r in read_records(train_path)]
+    rows = rows[:8]
+    for i in (1, 5, 7):
+        rows[i]["answer"] = UNREWARDED
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["serial", "overlapped"])
+def test_two_process_run_with_groups_dropped_on_one_rank_matches_one_process(tmp_path, tiny_ckpt, synthetic_dir,
+                                                                              mode):
+    """Dynamic sampling drops different numbers of groups on the two ranks (one rank keeps none at step 2): FSDP2
+    needs every rank in every collective, so the ranks must still run the same micro-batches. The run finishes and
+    trains like one process on the whole batch (same metrics, same weights up to fp32 summation order)."""
+    records = tmp_path / "train.jsonl"
+    write_records_dropping_rank_1_groups(synthetic_dir, records)
+    script = tmp_path / "launch_train.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        from torchplex.rl import rewards
+        rewards.REWARD_FUNCTIONS[{TEST_REWARD!r}] = (
+            lambda response, answer: 0.0 if answer == {UNREWARDED!r} else len(set(response)) / 16)
+        from torchplex.train import main
+        main(sys.argv[1:])
+    """))
+    argv = [f"--job.config_file={DEBUG_TOML}", *tiny_run_args(tiny_ckpt, synthetic_dir, tmp_path, "single"),
+            f"--reward.functions={TEST_REWARD}", "--reward.weights=1.0", f"--data.train_file={records}",
+            "--data.shuffle=false", "--data.prompts_per_step=4", "--algorithm.dynamic_sampling=true",
+            "--algorithm.kl_coef=0.05", "--algorithm.micro_batch_size=4", "--optimizer.eps=1e-6",
+            "--checkpoint.export_hf_at_end=true", f"--runtime.mode={mode}"]
+    env = subprocess_env()
+    for name, launch in (("single", [sys.executable, str(script)]),
+                         ("fsdp2", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                    "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", str(script)])):
+        done = subprocess.run([*launch, *argv, f"--job.name={name}"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=SUBPROCESS_TIMEOUT_S)
+        assert done.returncode == 0, name + done.stdout[-3000:] + done.stderr[-6000:]
+    single, fsdp = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "fsdp2")
+    for step in (1, 2):
+        assert single[step]["grad_norm"] > 0
+        assert fsdp[step]["reward/mean"] == pytest.approx(single[step]["reward/mean"], rel=1e-6), f"step {step}"
+        # rank 1 scored as many micro-batches as rank 0, some of them passes that train nothing
+        assert fsdp[step]["tokens/response"] > single[step]["tokens/response"]
+        for key in ("loss", "pg_loss", "grad_norm", "kl", "entropy"):
+            assert fsdp[step][key] == pytest.approx(single[step][key], rel=1e-4, abs=1e-6), f"step {step} {key}"
+    expected = load_file(tmp_path / "single" / "hf_export" / "model.safetensors")
+    actual = load_file(tmp_path / "fsdp2" / "hf_export" / "model.safetensors")
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0.01 * LR, msg=name)
+
+
 # ---- 3. bad input and non-finite steps ---------------------------------------------------------------------------
 def write_records_with_two_bad_ones(synthetic: Path, path: Path) -> None:
     """Six prompts in file order: good, missing image, good, over-long prompt, good, good."""
@@ -233,6 +292,27 @@ def test_bad_samples_are_skipped_counted_and_the_run_goes_on(tmp_path, tiny_ckpt
     assert [metrics[step]["tokens/serial_equivalent"] > 0 for step in (1, 2, 3)] == [True] * 3
     assert all(math.isfinite(metrics[step]["loss"]) and metrics[step]["grad_norm"] > 0 for step in (1, 2, 3))
     assert trainer.step == 3
+
+
+@pytest.mark.slow
+def test_two_process_run_with_bad_samples_on_one_rank_cuts_the_other_share(tmp_path, tiny_ckpt, synthetic_dir):
+    """Six prompts a step on 2 ranks (rank r takes positions r, r + 2, r + 4): rank 1's positions 1 and 3 are bad,
+    so it has one valid prompt and rank 0 three. Every rank trains on one (the others' micro-batches would otherwise
+    outnumber its own inside FSDP2's collectives); the two cut prompts are counted, and the run goes on."""
+    records = tmp_path / "train.jsonl"
+    write_records_with_two_bad_ones(synthetic_dir, records)
+    argv = fast_args(tiny_ckpt, synthetic_dir, tmp_path, "bad2", "--training.steps=2", f"--data.train_file={records}",
+                     "--data.shuffle=false", "--data.max_prompt_tokens=400", "--data.prompts_per_step=6",
+                     "--runtime.mode=overlapped")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
+           "--rdzv_endpoint=localhost:0", str(launcher(tmp_path)), *argv]
+    done = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    metrics = read_metrics(tmp_path / "bad2")
+    assert [metrics[step]["skipped/bad_samples"] for step in (1, 2)] == [2, 4]
+    assert [metrics[step]["skipped/unequal_share"] for step in (1, 2)] == [2, 4]
+    assert all(math.isfinite(metrics[step]["loss"]) and metrics[step]["grad_norm"] > 0 for step in (1, 2))
 
 
 def test_a_non_finite_loss_skips_that_step_and_its_checkpoint(tmp_path, tiny_ckpt, synthetic_dir, uneven_reward,

@@ -28,7 +28,7 @@ from .components.metrics import MetricsLogger, PhaseTimer, StepProgress, format_
 from .components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from .config import Config, load_config
 from .data.processing import load_processor
-from .data.prompts import PromptEncoder
+from .data.prompts import EncodedBatch, PromptEncoder
 from .data.records import PromptStream, read_records
 from .data.synthetic import generate_synthetic_task
 from .distributed.mesh import build_parallel_dims, destroy_distributed, init_distributed
@@ -138,6 +138,7 @@ class Trainer:
                                  dp_group=self.dp_group, memory=self.memory)
         self.step = 0
         self.skipped_samples = 0
+        self.unequal_share_dropped = 0  # good prompts cut so that every data-parallel rank has as many
 
     # ---- setup helpers --------------------------------------------------------------------------------
     def _memory_manager(self) -> MemoryManager:
@@ -220,7 +221,7 @@ class Trainer:
         progress = StepProgress(t.sft_warmup_steps, rank=self.rank, enable=self.cfg.metrics.progress_bar)
         for step in range(1, t.sft_warmup_steps + 1):
             batch = self.encoder.encode_batch(self._local(stream.next_batch()))
-            if not batch.prompts:
+            if self._fewest(len(batch.prompts)) == 0:  # every rank skips the step, or none (collectives)
                 continue
             targets = [self.tokenizer(f"<answer>{r.answer}</answer>", add_special_tokens=False)["input_ids"]
                        + [self.eos_id] for r in batch.records]
@@ -245,14 +246,37 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         records = self._local(self.eval_records[:self.cfg.data.eval_prompts])
         batch = self.encoder.encode_batch(records)
-        if not batch.prompts:
-            return {}
+        if not batch.prompts and self.dp_group is None:
+            return {}  # with several ranks, one without prompts still joins the collectives (an empty rollout)
         outputs = self.engine.generate(batch.prompts, self.sampling_params(greedy=True, n=1))
         reshard(self.actor)
         texts = self.tokenizer.batch_decode([o[0].token_ids for o in outputs], skip_special_tokens=True)
         correct = [float(is_correct(t, r.answer)) for t, r in zip(texts, batch.records)]
         formatted = [format_reward(t, r.answer) for t, r in zip(texts, batch.records)]
         return {"eval/accuracy": self._mean(correct), "eval/format": self._mean(formatted)}
+
+    def _equal_share(self, batch: EncodedBatch) -> EncodedBatch:
+        """The batch cut to the fewest prompts any data-parallel rank has (skipped bad samples make shares unequal).
+
+        Ranks must run the same micro-batches through the FSDP2-sharded actor (each forward and backward is a
+        collective), and in the overlapped mode every pass must find its prompt's prefix held, which equal numbers
+        of prompts guarantee. The prompts cut are counted (`skipped/unequal_share`); with one rank nothing is cut."""
+        if self.dp_size == 1:
+            return batch
+        keep = self._fewest(len(batch.prompts))
+        self.unequal_share_dropped += int(self._sum(len(batch.prompts) - keep))
+        if keep < len(batch.prompts):
+            log.warning("dropping %d of this rank's %d prompts: another data-parallel rank has only %d valid ones",
+                        len(batch.prompts) - keep, len(batch.prompts), keep)
+        return EncodedBatch(batch.records[:keep], batch.prompts[:keep], batch.skipped, batch.indices[:keep])
+
+    def _fewest(self, count: int) -> int:
+        """The smallest `count` over the data-parallel ranks."""
+        if self.dp_group is None:
+            return count
+        fewest = torch.tensor([count], device=self.device)
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=self.dp_group)
+        return int(fewest.item())
 
     def _sum(self, value: float) -> float:
         total = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -285,8 +309,11 @@ class Trainer:
             batch = self.encoder.encode_batch([global_batch[i] for i in positions])
             global_indices = [positions[i] for i in batch.indices]
         self.skipped_samples += int(self._sum(len(batch.skipped)))  # every rank keeps the global count
-        metrics: dict[str, float] = {"skipped/bad_samples": float(self.skipped_samples)}
-        if not batch.prompts:
+        batch = self._equal_share(batch)
+        global_indices = global_indices[:len(batch.prompts)]
+        metrics: dict[str, float] = {"skipped/bad_samples": float(self.skipped_samples),
+                                     "skipped/unequal_share": float(self.unequal_share_dropped)}
+        if not batch.prompts:  # the same on every rank (_equal_share)
             return metrics, False
         params = self.sampling_params()
         out = self.runner.run(batch.prompts, [r.answer for r in batch.records], params,
@@ -345,6 +372,7 @@ class Trainer:
             self.step, extra = self.checkpoints.load(self.actor, self.optimizer, self.lr_scheduler)
             self.stream.load_state_dict(extra["data"])
             self.skipped_samples = extra.get("skipped_samples", 0)
+            self.unequal_share_dropped = extra.get("unequal_share_dropped", 0)
             log.info("resumed from step %d", self.step)
         elif cfg.training.sft_warmup_steps > 0:
             if self.eval_records and cfg.metrics.eval_interval > 0:
@@ -372,7 +400,8 @@ class Trainer:
                 progress.write(line) if cfg.metrics.progress_bar else log.info(line)
             if finite and self.checkpoints.should_save(self.step, last=last):
                 self.checkpoints.save(self.step, self.actor, self.optimizer, self.lr_scheduler,
-                                      extra={"data": self.stream.state_dict(), "skipped_samples": self.skipped_samples})
+                                      extra={"data": self.stream.state_dict(), "skipped_samples": self.skipped_samples,
+                                             "unequal_share_dropped": self.unequal_share_dropped})
         progress.close()
         if cfg.checkpoint.export_hf_at_end:
             save_hf_weights(self.actor, self.run_dir / "hf_export")

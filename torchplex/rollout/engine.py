@@ -25,6 +25,7 @@ import torch
 from ..components.captured_step import CapturedStep, plain_tensors
 from ..data.batching import collate, encode_visuals
 from ..models.attention import PrefixState
+from ..models.qwen2_5_vl.parallelize import gathered
 from .kv_pool import DECODE_KERNELS, GroupedDecodeAttention, GroupKVPool, PoolTooSmallError
 from .sampling import SamplingParams, sample, sample_seeds as default_seeds  # generate() has a sample_seeds
 
@@ -186,7 +187,6 @@ class RolloutEngine:
                              else self._compiled_step)
         return lambda params, *state: self._step_fn(*state)
 
-    @torch.no_grad()
     def generate(self, prompts: Sequence, params: SamplingParams, *, sample_seeds: Sequence[Sequence[int]] | None = None,
                  on_step: Callable[[DecodeStepInfo], None] | None = None,
                  prefill_fn: Callable[[Sequence], PrefixState] | None = None,
@@ -195,7 +195,15 @@ class RolloutEngine:
 
         on_samples_finished(outputs) is called at each check with the samples that have finished since the last
         one, while the others decode on (the runtime scores them in the decode window); they are the very outputs
-        that are returned."""
+        that are returned. An FSDP2 model is gathered once for the whole call (`parallelize.gathered`): ranks decode
+        as many steps as their own samples need, with no collective per step."""
+        with gathered(self.model):  # also with no prompts: a rank without any still joins the gathering
+            if not prompts:
+                return []
+            return self._generate(prompts, params, sample_seeds, on_step, prefill_fn, on_samples_finished)
+
+    @torch.no_grad()
+    def _generate(self, prompts, params, sample_seeds, on_step, prefill_fn, on_samples_finished):
         n, max_new = params.n, params.max_new_tokens
         lengths = [len(p.input_ids) for p in prompts]
         pool = self._pool_for(n, max(lengths), max_new, len(prompts))
@@ -205,8 +213,6 @@ class RolloutEngine:
         if sample_seeds is None:
             sample_seeds = default_seeds(params.seed, n, range(len(prompts)))
         prefill_fn = prefill_fn or self.default_prefill
-        if hasattr(self.model, "unshard"):  # FSDP2: decode calls submodules of the root unit directly
-            self.model.unshard()
         dev, slots = self.device, pool.num_slots
         stop_ids = torch.tensor(params.stop_token_ids or [-1], device=dev)
 

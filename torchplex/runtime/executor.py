@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..components.captured_step import plain_tensors
-from ..models.qwen2_5_vl.parallelize import reshard
+from ..models.qwen2_5_vl.parallelize import gathered, reshard
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer
@@ -145,25 +145,29 @@ class StepRunner:
                         self.window.submit(lambda i=i, outs=outs: self._window_ref_samples(
                             prompts, i, params.n, outs, ref_scored, timeline))
 
-        with phase("rollout"):
-            try:
-                outputs = self.engine.generate(prompts, params, sample_seeds=sample_seeds, prefill_fn=prefill,
-                                               on_step=on_step, on_samples_finished=on_samples_finished)
-            finally:
-                self.window.finish()  # the window's results are read from here on
-            self.engine.release()
-            for i, prompt in enumerate(prompts):  # a prompt whose samples were all scored needs its prefix no more
-                if all(i * params.n + j in ref_scored for j in range(params.n)):
-                    self.scorer.store.discard(self.reference, prompt)
-        reshard(self.actor)
+        window_ref = self.reference is not None and (in_window("ref_prefix") or in_window("ref_suffix"))
+        with gathered(self.reference) if window_ref else nullcontext():
+            with phase("rollout"):
+                try:
+                    outputs = self.engine.generate(prompts, params, sample_seeds=sample_seeds, prefill_fn=prefill,
+                                                   on_step=on_step, on_samples_finished=on_samples_finished)
+                finally:
+                    self.window.finish()  # the window's results are read from here on
+                self.engine.release()
+                for i, prompt in enumerate(prompts):  # a prompt whose samples were all scored needs its prefix no more
+                    if all(i * params.n + j in ref_scored for j in range(params.n)):
+                        self.scorer.store.discard(self.reference, prompt)
+            reshard(self.actor)
 
-        exp = build_experience(prompts, answers, outputs, self.tokenizer, st.reward_names, st.reward_weights,
-                               st.advantage, st.dynamic_sampling, self.device)
-        if self.reference is not None:
-            with phase("ref"):
-                reference_phase(self.reference, self.scorer, exp, st.temperature, st.micro_batch_size, decomposed,
-                                scored=ref_scored)
-                reshard(self.reference)
+            exp = build_experience(prompts, answers, outputs, self.tokenizer, st.reward_names, st.reward_weights,
+                                   st.advantage, st.dynamic_sampling, self.device)
+            if self.reference is not None:
+                # Reference forwards run as many times as this rank has samples left to score: gathered once for the
+                # phase (with the window, from the rollout on), they need no collective (FSDP2; parallelize.gathered).
+                with phase("ref"), (nullcontext() if window_ref else gathered(self.reference)):
+                    reference_phase(self.reference, self.scorer, exp, st.temperature, st.micro_batch_size, decomposed,
+                                    scored=ref_scored)
+                    reshard(self.reference)
         with phase("train"):
             result = train_phase(self.actor, self.scorer, exp, self.optimizer, self.lr_scheduler, st.loss,
                                  temperature=st.temperature, micro_batch_size=st.micro_batch_size,

@@ -7,6 +7,7 @@ step code and must produce the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -176,6 +177,31 @@ def _global_totals(mask: torch.Tensor, max_len: int, dp_size: int, dp_group) -> 
     return totals
 
 
+def equal_micro_batches(batches: list[list[int]], exp: Experience, micro_batch_size: int, whole_groups: bool,
+                        dp_size: int, dp_group) -> list[tuple[list[int], bool]]:
+    """(micro-batch, live) pairs: this rank's micro-batches, then passes that train nothing (live False) up to the
+    largest count over the data-parallel ranks.
+
+    Every forward and backward of an FSDP2-sharded actor gathers parameters and reduces gradients across the ranks,
+    so all of them must run the same number; dynamic sampling drops different numbers of groups on different ranks.
+    A pass scores the groups this rank dropped (in the overlapped mode their prefixes are held like the kept ones,
+    so the pass runs the same collectives as a real micro-batch), else repeats its last micro-batch.
+    """
+    plan = [(mb, True) for mb in batches]
+    if dp_size == 1:
+        return plan
+    count = torch.tensor([len(batches)], device=exp.tokens.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+    missing = int(count.item()) - len(batches)
+    if missing:
+        kept = set(exp.kept_samples())
+        dropped = [s for s in range(exp.tokens.shape[0]) if s not in kept]
+        spare = micro_batches(dropped, exp.group_size, micro_batch_size, whole_groups)
+        repeat = (batches or spare or [list(range(exp.group_size))])[-1:]
+        plan += [(mb, False) for mb in (spare + repeat * missing)[:missing]]
+    return plan
+
+
 def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler, loss_cfg: PolicyLossConfig,
                 *, temperature: float, micro_batch_size: int, whole_groups: bool, ppo_epochs: int,
                 grad_clip: float, max_len: int, dp_size: int = 1, dp_group=None) -> TrainResult:
@@ -185,11 +211,12 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
     accumulating micro-batches equals one full-batch step, whatever the partition.
     """
     samples = exp.kept_samples()
-    if not samples:
+    idx_all = torch.tensor(samples, dtype=torch.long, device=exp.tokens.device)
+    totals = _global_totals(exp.mask[idx_all], max_len, dp_size, dp_group)  # every rank, also one with no samples
+    if totals.total_seqs == 0:  # the same on every rank
         return TrainResult(stats=None)
-    idx_all = torch.tensor(samples, device=exp.tokens.device)
-    totals = _global_totals(exp.mask[idx_all], max_len, dp_size, dp_group)
-    batches = micro_batches(samples, exp.group_size, micro_batch_size, whole_groups)
+    batches = equal_micro_batches(micro_batches(samples, exp.group_size, micro_batch_size, whole_groups), exp,
+                                  micro_batch_size, whole_groups, dp_size, dp_group)
     if exp.old_logprobs is None:
         exp.old_logprobs = torch.zeros(exp.tokens.shape, dtype=torch.float32, device=exp.tokens.device)
     result = TrainResult(stats=None)
@@ -198,18 +225,24 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
     for epoch in range(ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         epoch_stats = []
-        for mb in batches:
+        for mb, live in batches:
             req = exp.request(mb)
             idx = torch.tensor(mb, device=exp.tokens.device)
             width = req.tokens.shape[1]
             logp, entropy = scorer.score(actor, req, temperature, with_entropy=epoch == 0)
-            if epoch == 0:  # on-policy: the epoch-0 forward at θk is the old policy
-                exp.old_logprobs[idx, :width] = logp.detach().float()
-                entropies.append((entropy, req.mask))
+            old = exp.old_logprobs[idx, :width]
+            if epoch == 0 and live:  # on-policy: the epoch-0 forward at θk is the old policy
+                exp.old_logprobs[idx, :width] = old = logp.detach().float()
+            if epoch == 0:
+                entropies.append((entropy, req.mask if live else torch.zeros_like(req.mask)))
             ref = exp.ref_logprobs[idx, :width] if exp.ref_logprobs is not None else None
-            loss, stats = policy_loss(logp.float(), exp.old_logprobs[idx, :width], exp.advantages[idx], req.mask,
+            loss, stats = policy_loss(logp.float(), old, exp.advantages[idx], req.mask,
                                       loss_cfg, ref_logprobs=ref, total_tokens=totals.total_tokens,
                                       total_seqs=totals.total_seqs, max_len=totals.max_len)
+            if not live:  # a pass that only keeps this rank in step with the others: no gradient, no statistics
+                loss = loss * 0.0
+                stats = dataclasses.replace(stats, loss=stats.loss * 0, pg_loss=stats.pg_loss * 0,
+                                            num_tokens=stats.num_tokens * 0)  # no weight in any mean
             # FSDP2 averages gradients over data-parallel ranks; the loss is already normalised globally.
             scorer.backward(loss * dp_size)  # decomposed: the suffix part, then the prefix part
             del logp, loss  # the spent graph (its nodes keep the prefix leaves) goes before the next forward
@@ -229,8 +262,8 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
     if lr_scheduler is not None:
         lr_scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    # Collectives every rank reaches: all run the same epochs (the skip test uses the global grad norm). NOTE: a
-    # rank whose samples were all dropped returns early above and leaves the others waiting in a collective.
+    # Collectives every rank reaches: all run the same epochs (the skip test uses the global grad norm) and the same
+    # micro-batches (equal_micro_batches), so every rank has statistics and entropies, if only zero-weight ones.
     if epoch_stats:
         stats = LossStats.merge(epoch_stats)
         result.stats = _global_stats(stats, dp_group) if dp_size > 1 else stats
