@@ -224,12 +224,13 @@ def write_records_dropping_rank_1_groups(synthetic: Path, path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["serial", "overlapped"])
+@pytest.mark.parametrize("mode", ["serial", "overlapped", "window"])
 def test_two_process_run_with_groups_dropped_on_one_rank_matches_one_process(tmp_path, tiny_ckpt, synthetic_dir,
                                                                               mode):
     """Dynamic sampling drops different numbers of groups on the two ranks (one rank keeps none at step 2): FSDP2
     needs every rank in every collective, so the ranks must still run the same micro-batches. The run finishes and
-    trains like one process on the whole batch (same metrics, same weights up to fp32 summation order)."""
+    trains like one process on the whole batch (same metrics, same weights up to fp32 summation order). "window"
+    also scores the reference in the decode window, where how much is left for the reference phase differs by rank."""
     records = tmp_path / "train.jsonl"
     write_records_dropping_rank_1_groups(synthetic_dir, records)
     script = tmp_path / "launch_train.py"
@@ -245,7 +246,9 @@ def test_two_process_run_with_groups_dropped_on_one_rank_matches_one_process(tmp
             f"--reward.functions={TEST_REWARD}", "--reward.weights=1.0", f"--data.train_file={records}",
             "--data.shuffle=false", "--data.prompts_per_step=4", "--algorithm.dynamic_sampling=true",
             "--algorithm.kl_coef=0.05", "--algorithm.micro_batch_size=4", "--optimizer.eps=1e-6",
-            "--checkpoint.export_hf_at_end=true", f"--runtime.mode={mode}"]
+            "--checkpoint.export_hf_at_end=true"]
+    argv += (["--runtime.mode=overlapped", "--runtime.reference_in_window"] if mode == "window"
+             else [f"--runtime.mode={mode}"])
     env = subprocess_env()
     for name, launch in (("single", [sys.executable, str(script)]),
                          ("fsdp2", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",

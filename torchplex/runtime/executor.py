@@ -162,9 +162,10 @@ class StepRunner:
             exp = build_experience(prompts, answers, outputs, self.tokenizer, st.reward_names, st.reward_weights,
                                    st.advantage, st.dynamic_sampling, self.device)
             if self.reference is not None:
-                # Reference forwards run as many times as this rank has samples left to score: gathered once for the
-                # phase (with the window, from the rollout on), they need no collective (FSDP2; parallelize.gathered).
-                with phase("ref"), (nullcontext() if window_ref else gathered(self.reference)):
+                # Every rank scores all its samples here (equal numbers: the trainer gives ranks equal shares), so
+                # per-forward FSDP2 gathers stay in step; with the window, how many are left differs between ranks,
+                # and the reference is gathered once from the rollout on (parallelize.gathered).
+                with phase("ref"):
                     reference_phase(self.reference, self.scorer, exp, st.temperature, st.micro_batch_size, decomposed,
                                     scored=ref_scored)
                     reshard(self.reference)
