@@ -256,3 +256,17 @@ def test_plot_cli_writes_to_out_and_fails_cleanly_without_metrics(tmp_path):
     )
     assert failed.returncode == 1
     assert str(tmp_path / "nowhere" / "metrics.jsonl") in failed.stderr
+
+
+def test_drop_after_removes_later_steps_and_keeps_appending(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    for step in (0, 1, 2, 3):
+        logger.log(step, {"loss": float(step)})
+    with open(logger.path, "a") as f:
+        f.write("not json\n")
+    assert logger.drop_after(1) == 2
+    logger.log(2, {"loss": 20.0})
+    logger.close()
+    lines = logger.path.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines if line != "not json"] == [0, 1, 2]
+    assert "not json" in lines and json.loads(lines[-1])["loss"] == 20.0

@@ -137,12 +137,12 @@ def test_resume_after_preemption_reproduces_the_uninterrupted_run(tmp_path, tiny
     first = Trainer(load_config(argv))
     run_step = first.train_step
 
-    def crash_after_step_3():
-        if first.step == 4:
+    def crash_in_step_5():  # step 4 is logged, the checkpoint is step 3's
+        if first.step == 5:
             raise Preempted
         return run_step()
 
-    first.train_step = crash_after_step_3
+    first.train_step = crash_in_step_5
     with pytest.raises(Preempted):
         first.train()
     assert first.checkpoints.saved_steps() == [3]
@@ -151,6 +151,9 @@ def test_resume_after_preemption_reproduces_the_uninterrupted_run(tmp_path, tiny
 
     expected, actual = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
     assert sorted(actual) == sorted(expected) == list(range(7))
+    records = lambda run: [(r["step"], sorted(r)) for r in map(json.loads, (tmp_path / run / "metrics.jsonl")
+                                                              .read_text().splitlines())]
+    assert records("resumed") == records("straight")  # step 4's record once, not once per run that logged it
     for step in range(1, 7):
         for key in ("loss", "pg_loss", "reward/mean", "grad_norm", "kl", "lr", "entropy"):
             assert actual[step][key] == expected[step][key], f"step {step} {key}"

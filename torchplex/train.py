@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .components.checkpoint import CheckpointManager
-from .components.metrics import MetricsLogger, PhaseTimer, StepProgress, format_step_line
+from .components.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, StepProgress, format_step_line
 from .components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from .config import Config, load_config
 from .data.processing import load_processor
@@ -373,7 +373,9 @@ class Trainer:
             self.stream.load_state_dict(extra["data"])
             self.skipped_samples = extra.get("skipped_samples", 0)
             self.unequal_share_dropped = extra.get("unequal_share_dropped", 0)
-            log.info("resumed from step %d", self.step)
+            dropped = self.metrics.drop_after(self.step)  # logged after the checkpoint: they are logged again
+            log.info("resumed from step %d%s", self.step,
+                     f" ({dropped} metrics records of later steps removed from {METRICS_FILENAME})" if dropped else "")
         elif cfg.training.sft_warmup_steps > 0:
             if self.eval_records and cfg.metrics.eval_interval > 0:
                 before = self.evaluate()

@@ -93,6 +93,27 @@ class MetricsLogger:
     def path(self) -> Path:
         return self.run_dir / METRICS_FILENAME
 
+    def drop_after(self, step: int) -> int:
+        """Remove the records of steps after `step` (a run resumed from a checkpoint at `step` logs them again);
+        returns how many were removed. A line that is not a JSON record is kept as it is."""
+        if not self.enabled or self._file is None:
+            return 0
+        self._file.close()
+        kept, dropped = [], 0
+        for line in self.path.read_text(encoding="utf-8").splitlines(keepends=True):
+            try:
+                late = int(json.loads(line)["step"]) > step
+            except (ValueError, KeyError, TypeError):
+                late = False
+            dropped += late
+            if not late:
+                kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        tmp.replace(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+        return dropped
+
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if not self.enabled:
             return
