@@ -145,8 +145,8 @@ class StepRunner:
                         self.window.submit(lambda i=i, outs=outs: self._window_ref_samples(
                             prompts, i, params.n, outs, ref_scored, timeline))
 
-        window_ref = self.reference is not None and (in_window("ref_prefix") or in_window("ref_suffix"))
-        with gathered(self.reference) if window_ref else nullcontext():
+        # The window scores the reference beside decode: gathered from here on (a no-op without FSDP2 or window)
+        with gathered(self.reference if in_window("ref_prefix") or in_window("ref_suffix") else None):
             with phase("rollout"):
                 try:
                     outputs = self.engine.generate(prompts, params, sample_seeds=sample_seeds, prefill_fn=prefill,
