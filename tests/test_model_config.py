@@ -255,3 +255,21 @@ def test_activation_equals_transformers_act2fn(name):
     x = torch.linspace(-12, 12, 4001)
     assert torch.allclose(ACTIVATIONS[name](x), ACT2FN[name](x), rtol=1e-6, atol=1e-7)
 
+
+
+def test_to_hf_config_round_trips_activation_and_rope_scaling():
+    """What to_hf_config writes for a non-default variant transformers reads as the same model, and so do we."""
+    args = ModelArgs.from_hf_config(json.loads(json.dumps(
+        {"text_config": {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "gelu",
+                         "max_position_embeddings": 8192,
+                         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mrope_section": [4, 6, 6],
+                                             "original_max_position_embeddings": 2048, "mscale": 1.0}},
+         "vision_config": {"out_hidden_size": 128, "hidden_act": "quick_gelu"}})))
+    written = args.to_hf_config()
+    assert ModelArgs.from_hf_config(written) == args
+    ref = Qwen2_5_VLConfig(**written)
+    assert (ref.text_config.hidden_act, ref.vision_config.hidden_act) == ("gelu", "quick_gelu")
+    t = args.text
+    inv_freq, scale = text_inv_freq(t.rope_scaling, t.rope_theta, t.head_dim, t.max_position_embeddings)
+    rotary = Qwen2_5_VLRotaryEmbedding(ref.text_config)
+    assert torch.allclose(inv_freq, rotary.inv_freq, rtol=1e-6, atol=0) and scale == rotary.attention_scaling
