@@ -12,13 +12,12 @@ import math
 import pytest
 import torch
 from hf_reference import hf_prompt_kwargs
-from PIL import Image
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.activations import ACT2FN
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
 
 from torchplex.data.batching import collate, encode_visuals
-from torchplex.data.processing import encode_prompt, load_processor
+from torchplex.data.processing import PromptInputs
 from torchplex.models.activations import ACTIVATIONS
 from torchplex.models.qwen2_5_vl.args import ModelArgs
 from torchplex.models.qwen2_5_vl.build import build_model
@@ -26,20 +25,23 @@ from torchplex.models.qwen2_5_vl.hf_config import UnsupportedConfigError
 from torchplex.models.qwen2_5_vl.rope_scaling import RopeScaling, text_inv_freq
 
 RTOL = 1e-4
+PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
 
 
 @pytest.fixture(scope="module")
 def prompt(tiny_ckpt):
-    """One image (4x6 patches) and one 4-frame video (2 temporal grids, 1 s each) in one prompt."""
-    processor = load_processor(tiny_ckpt)
-    rng = torch.Generator().manual_seed(0)
-
-    def image(w, h):
-        return Image.fromarray(torch.randint(0, 255, (h, w, 3), generator=rng, dtype=torch.uint8).numpy())
-
-    p = encode_prompt(processor, "Same scene?", images=[image(84, 56)], videos=[[image(84, 56) for _ in range(4)]])
-    assert p.video_grid_thw[0, 0].item() == 2 and p.second_per_grid_ts.tolist() == [1.0]
-    return p
+    """Text, one image (4x6 patches), text, one video (2 temporal grids of 4x6 patches, 1 s each), text. Built by
+    hand rather than by the processor so that it is the same under every transformers version."""
+    cfg = json.loads((tiny_ckpt / "config.json").read_text())
+    start, end, img, vid = (cfg[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                             "video_token_id"))
+    g = torch.Generator().manual_seed(0)
+    text = lambda n: torch.randint(0, 1900, (n,), generator=g).tolist()  # noqa: E731
+    ids = text(5) + [start] + [img] * 6 + [end] + text(4) + [start] + [vid] * 12 + [end] + text(6)
+    return PromptInputs(input_ids=torch.tensor(ids), pixel_values=torch.randn(24, PATCH, generator=g),
+                        image_grid_thw=torch.tensor([[1, 4, 6]]),
+                        pixel_values_videos=torch.randn(48, PATCH, generator=g),
+                        video_grid_thw=torch.tensor([[2, 4, 6]]), second_per_grid_ts=torch.tensor([1.0]))
 
 
 def write_variant(base, out, edit) -> None:
@@ -142,7 +144,7 @@ def test_config_variant_loads_with_transformers_logits(variant, tiny_ckpt, tmp_p
 
 def _sliding(cfg):
     # saved configs carry an explicit all-full layer_types, which transformers keeps over use_sliding_window
-    cfg["text_config"].pop("layer_types")
+    cfg["text_config"].pop("layer_types", None)
     cfg["text_config"].update(use_sliding_window=True, sliding_window=16, max_window_layers=2)
 
 
@@ -184,7 +186,7 @@ def test_transformers_does_apply_the_refused_sliding_window(tiny_ckpt, tmp_path,
 def test_sliding_window_that_covers_no_layer_is_accepted(tiny_ckpt, tmp_path, prompt):
     """use_sliding_window with max_window_layers >= num_hidden_layers slides no layer in transformers either."""
     def edit(cfg):
-        cfg["text_config"].pop("layer_types")
+        cfg["text_config"].pop("layer_types", None)
         cfg["text_config"].update(use_sliding_window=True, sliding_window=4, max_window_layers=4)
     write_variant(tiny_ckpt, tmp_path / "v", edit)
     with torch.no_grad():
