@@ -159,6 +159,8 @@ REFUSED = {
     "text_prelu": (_set("text_config", hidden_act="prelu"), "text_config.hidden_act = 'prelu'"),
     "vision_xielu": (_set("vision_config", hidden_act="xielu"), "vision_config.hidden_act = 'xielu'"),
     "attention_dropout": (_set("text_config", attention_dropout=0.1), "text_config.attention_dropout = 0.1"),
+    "head_dim": (_set("text_config", head_dim=16), "text_config.head_dim = 16"),
+    "mrope_four_sections": (_rope(mrope_section=[4, 4, 4, 4]), r"rope_parameters.mrope_section = \[4, 4, 4, 4\]"),
     "vision_rope_linear": (_set("vision_config", rope_parameters={"rope_type": "linear", "factor": 2.0}),
                            "vision_config.rope_parameters.rope_type = 'linear'"),
 }

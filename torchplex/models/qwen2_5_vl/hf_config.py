@@ -93,7 +93,8 @@ def _text_args(text: _Reader, root: _Reader, nested: bool) -> TextArgs:
     head_dim = text.section.get("head_dim")
     if head_dim is not None and head_dim != hidden // heads:
         # transformers' attention splits heads by hidden_size // num_attention_heads but its RoPE reads head_dim
-        raise text.refuse("head_dim", head_dim, f"it differs from hidden_size / num_attention_heads = {hidden // heads}")
+        raise text.refuse("head_dim", head_dim,
+                          f"it differs from hidden_size / num_attention_heads = {hidden // heads}")
     dropout = text.get("attention_dropout")
     if dropout:
         raise text.refuse("attention_dropout", dropout, "this model has no attention dropout (transformers applies "
