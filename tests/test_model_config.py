@@ -277,3 +277,12 @@ def test_to_hf_config_round_trips_activation_and_rope_scaling():
     inv_freq, scale = text_inv_freq(t.rope_scaling, t.rope_theta, t.head_dim, t.max_position_embeddings)
     rotary = Qwen2_5_VLRotaryEmbedding(ref.text_config)
     assert torch.allclose(inv_freq, rotary.inv_freq, rtol=1e-6, atol=0) and scale == rotary.attention_scaling
+
+
+def test_model_with_a_non_default_activation_pickles():
+    """The MLP holds its activation function: every one must be a named function, not a lambda."""
+    import pickle
+
+    from torchplex.models.qwen2_5_vl.model import GatedMLP
+    for name in ACTIVATIONS:
+        pickle.dumps(GatedMLP(8, 16, bias=False, hidden_act=name))

@@ -34,27 +34,52 @@ def _laplace(x: torch.Tensor, mu: float = 0.707107, sigma: float = 0.282095) -> 
     return 0.5 * (1.0 + torch.erf((x - mu).div(sigma * math.sqrt(2.0))))
 
 
+# Named module-level functions, not lambdas, so a model holding one still pickles.
+def _gelu_10(x: torch.Tensor) -> torch.Tensor:
+    return torch.clip(F.gelu(x), -10.0, 10.0)
+
+
+def _gelu_pytorch_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _linear(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+def _sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
+    return F.softplus(x).sqrt()
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
-    "gelu_10": lambda x: torch.clip(F.gelu(x), -10.0, 10.0),
+    "gelu_10": _gelu_10,
     "gelu_fast": _gelu_fast,
     "gelu_new": _gelu_tanh_formula,
     "gelu_python": _gelu_erf_formula,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": _gelu_pytorch_tanh,
     "gelu_python_tanh": _gelu_tanh_formula,
     "gelu_accurate": _gelu_tanh_formula,
     "hardswish": F.hardswish,
     "laplace": _laplace,
     "leaky_relu": F.leaky_relu,      # nn.LeakyReLU's default slope 0.01
-    "linear": lambda x: x,
+    "linear": _linear,
     "mish": F.mish,
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "quick_gelu": _quick_gelu,
     "relu": F.relu,
-    "relu2": lambda x: torch.square(F.relu(x)),
+    "relu2": _relu2,
     "relu6": F.relu6,
     "sigmoid": torch.sigmoid,
     "silu": F.silu,
-    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
+    "sqrtsoftplus": _sqrtsoftplus,
     "swish": F.silu,
     "tanh": torch.tanh,
 }
