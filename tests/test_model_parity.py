@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from hf_reference import mm_token_type_ids
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from torchplex.models.qwen2_5_vl.args import get_flavor
@@ -60,8 +61,9 @@ def native_logits(native, args, input_ids, attention_mask=None, image=None, vide
 
 
 def hf_logits(hf, input_ids, attention_mask=None, image=None, video=None):
+    # mm_token_type_ids: without them transformers 5.x silently uses 1-D positions (issue 16 defect 4)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
-                  mm_token_type_ids=(input_ids == IMG).int() + 2 * (input_ids == VID).int())
+                  mm_token_type_ids=mm_token_type_ids(input_ids, IMG, VID))
     if image:
         kwargs.update(pixel_values=image[0], image_grid_thw=image[1])
     if video:
@@ -109,7 +111,8 @@ def test_video():
     hf, native = build_pair(args)
     torch.manual_seed(3)
     pix, grid = pixels([[3, 8, 8]])
-    video = (pix, grid, torch.tensor([0.5]))
+    # Integral seconds: transformers 5.17 truncates second_per_grid_ts to an int, 5.24 does not (hf_reference.py).
+    video = (pix, grid, torch.tensor([2.0]))
     ids = torch.tensor([[5, 6] + video_run((3, 8, 8)) + [7, 8, 9, 10]])
     with torch.no_grad():
         assert rel_err(native_logits(native, args, ids, video=video), hf_logits(hf, ids, video=video)) < RTOL

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from hf_reference import hf_prompt_kwargs
 from PIL import Image
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
@@ -162,8 +163,7 @@ def test_transformers_forward_uses_the_image(processor, model):
     logits = []
     for seed in (0, 1):
         inputs = encode_prompt(processor, "How many?", images=[_image(60, 90, seed=seed)])
-        out = model(input_ids=inputs.input_ids[None], pixel_values=inputs.pixel_values,
-                    image_grid_thw=inputs.image_grid_thw)
+        out = model(**hf_prompt_kwargs(inputs, model.config.image_token_id, model.config.video_token_id))
         assert out.logits.shape == (1, inputs.input_ids.numel(), model.config.text_config.vocab_size)
         assert torch.isfinite(out.logits).all()
         logits.append(out.logits[0, -1])
@@ -173,7 +173,6 @@ def test_transformers_forward_uses_the_image(processor, model):
 @torch.no_grad()
 def test_transformers_forward_on_a_video_prompt(processor, model):
     inputs = encode_prompt(processor, "What moves?", videos=[[_image(56, 84, seed=k) for k in range(4)]])
-    out = model(input_ids=inputs.input_ids[None], pixel_values_videos=inputs.pixel_values_videos,
-                video_grid_thw=inputs.video_grid_thw, second_per_grid_ts=inputs.second_per_grid_ts)
+    out = model(**hf_prompt_kwargs(inputs, model.config.image_token_id, model.config.video_token_id))
     assert out.logits.shape[:2] == (1, inputs.input_ids.numel())
     assert torch.isfinite(out.logits).all()

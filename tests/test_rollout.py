@@ -4,9 +4,11 @@ import copy
 
 import pytest
 import torch
+from hf_reference import hf_prompt_kwargs
 from PIL import Image
 from transformers import Qwen2_5_VLForConditionalGeneration
 
+import torchplex.data.batching as batching
 from torchplex.data.batching import collate, encode_visuals
 from torchplex.data.processing import encode_prompt, load_processor
 from torchplex.models.qwen2_5_vl.build import build_model
@@ -47,21 +49,82 @@ def teacher_forced(model, prompt, tokens, params):
         return logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
 
-def test_greedy_matches_transformers_generate(setup, tiny_ckpt):
+@pytest.fixture(scope="module")
+def hf(tiny_ckpt):
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+
+
+def hf_kwargs(hf, prompt) -> dict:
+    return hf_prompt_kwargs(prompt, hf.config.image_token_id, hf.config.video_token_id)
+
+
+def test_greedy_matches_transformers_generate(setup, hf):
+    """Issue 16 defect 4: transformers gets mm_token_type_ids, so its generate lays out M-RoPE positions (its
+    rope_deltas are then non-zero for an image prompt) instead of silently using 1-D ones."""
     processor, model, prompts, eos = setup
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
     params = SamplingParams(greedy=True, max_new_tokens=16, stop_token_ids=[eos])
     engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20)
     outputs = engine.generate(prompts, params)
     for prompt, out in zip(prompts, outputs):
-        kwargs = dict(input_ids=prompt.input_ids[None], attention_mask=torch.ones(1, len(prompt.input_ids)))
-        if prompt.pixel_values is not None:
-            kwargs.update(pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
         with torch.no_grad():
-            ref = hf.generate(**kwargs, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            ref = hf.generate(**hf_kwargs(hf, prompt), max_new_tokens=16, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos)
+        assert (hf.model.rope_deltas != 0).any().item() == (prompt.pixel_values is not None)
         ref_tokens = ref[0, len(prompt.input_ids):].tolist()
         assert out[0].token_ids == ref_tokens
         assert out[0].finish_reason == ("stop" if ref_tokens[-1] == eos else "length")
+
+
+def prompt_logits(model, prompt) -> torch.Tensor:
+    """Our logits over a prompt, positions from collate (the rule the engine, scorer and trainer all use)."""
+    batch = collate(model.args, [prompt])
+    image, video = encode_visuals(model, batch)
+    return model.logits(model(batch.input_ids, batch.position_ids, image_embeds=image, video_embeds=video))[0]
+
+
+def rel_err(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def one_d_positions(args, input_ids, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None,
+                    attention_mask=None):
+    """A wrong rule: every token one step after the previous on all three axes, as for text."""
+    mask = attention_mask.long() if attention_mask is not None else torch.ones_like(input_ids)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0) * mask
+    return positions.expand(3, -1, -1).clone(), mask.sum(-1)
+
+
+def test_prompt_logits_match_transformers_given_mm_token_type_ids(setup, hf):
+    _, model, prompts, _ = setup
+    with torch.no_grad():
+        for prompt in prompts:
+            assert rel_err(prompt_logits(model, prompt), hf(**hf_kwargs(hf, prompt)).logits[0]) < 1e-4
+
+
+def test_parity_with_transformers_fails_for_a_wrong_position_rule(setup, hf, monkeypatch):
+    """Issue 16 defect 4: the comparison above must be able to see a position bug. With our rope index replaced
+    by 1-D positions, every image prompt's logits leave transformers' by more than 10x the 1e-4 tolerance (measured
+    6e-3..9e-3 on the tiny checkpoint)."""
+    _, model, prompts, _ = setup
+    monkeypatch.setattr(batching, "get_rope_index", one_d_positions)
+    with torch.no_grad():
+        errors = [rel_err(prompt_logits(model, p), hf(**hf_kwargs(hf, p)).logits[0])
+                  for p in prompts if p.pixel_values is not None]
+    assert min(errors) > 1e-3, errors
+
+
+def test_transformers_without_mm_token_type_ids_cannot_see_the_wrong_rule(setup, hf, monkeypatch):
+    """Why defect 4 hid bugs: called without mm_token_type_ids (as the old comparison did), transformers falls back to
+    1-D positions, so the wrong 1-D rule matches it and the correct rule does not."""
+    _, model, prompts, _ = setup
+    prompt = prompts[2]  # one 84x112 image
+    kwargs = {k: v for k, v in hf_kwargs(hf, prompt).items() if k != "mm_token_type_ids"}
+    with torch.no_grad():
+        ref = hf(**kwargs).logits[0]
+        correct = prompt_logits(model, prompt)
+        monkeypatch.setattr(batching, "get_rope_index", one_d_positions)
+        wrong = prompt_logits(model, prompt)
+    assert rel_err(wrong, ref) < 1e-4 < rel_err(correct, ref)
 
 
 def test_logprobs_equal_teacher_forced_scoring_with_temperature_top_p_top_k(setup):

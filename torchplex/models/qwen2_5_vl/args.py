@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from .rope_scaling import RopeScaling
+
 
 @dataclass
 class VisionArgs:
@@ -23,7 +25,8 @@ class VisionArgs:
     out_hidden_size: int = 3584
     fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
     rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6   # transformers hard-codes 1e-6 for the tower's norms, whatever the config says
+    hidden_act: str = "silu"
 
     @property
     def head_dim(self) -> int:
@@ -43,6 +46,8 @@ class TextArgs:
     mrope_section: tuple[int, int, int] = (16, 24, 24)
     max_position_embeddings: int = 128000
     tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
 
     @property
     def head_dim(self) -> int:
@@ -75,55 +80,12 @@ class ModelArgs:
 
     # ---- HF config.json -------------------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        """Read a transformers 4.x (flat) or 5.x (`text_config`) Qwen2.5-VL config dict."""
-        text_cfg = dict(cfg)
-        text_cfg.update(cfg.get("text_config") or {})
-        vis = cfg.get("vision_config") or {}
-        rope = text_cfg.get("rope_parameters") or text_cfg.get("rope_scaling") or {}
-        mrope = rope.get("mrope_section", [16, 24, 24])
-        rope_theta = rope.get("rope_theta", text_cfg.get("rope_theta", 1_000_000.0))
-        tie = cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))
-        vrope = vis.get("rope_parameters") or {}
-        text = TextArgs(
-            vocab_size=text_cfg["vocab_size"],
-            hidden_size=text_cfg["hidden_size"],
-            intermediate_size=text_cfg["intermediate_size"],
-            num_layers=text_cfg["num_hidden_layers"],
-            num_heads=text_cfg["num_attention_heads"],
-            num_kv_heads=text_cfg.get("num_key_value_heads") or text_cfg["num_attention_heads"],
-            rms_norm_eps=text_cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            mrope_section=tuple(mrope),
-            max_position_embeddings=text_cfg.get("max_position_embeddings", 128000),
-            tie_word_embeddings=bool(tie),
-        )
-        vision = VisionArgs(
-            depth=vis.get("depth", 32),
-            hidden_size=vis.get("hidden_size", 1280),
-            intermediate_size=vis.get("intermediate_size", 3420),
-            num_heads=vis.get("num_heads", 16),
-            in_channels=vis.get("in_channels", vis.get("in_chans", 3)),
-            patch_size=vis.get("patch_size", 14),
-            spatial_merge_size=vis.get("spatial_merge_size", 2),
-            temporal_patch_size=vis.get("temporal_patch_size", 2),
-            tokens_per_second=float(vis.get("tokens_per_second", 2)),
-            window_size=vis.get("window_size", 112),
-            out_hidden_size=vis.get("out_hidden_size", text.hidden_size),
-            fullatt_block_indexes=tuple(vis.get("fullatt_block_indexes", (7, 15, 23, 31))),
-            rope_theta=float(vrope.get("rope_theta", 10000.0)),
-        )
-        return cls(
-            vision=vision,
-            text=text,
-            image_token_id=cfg.get("image_token_id", 151655),
-            video_token_id=cfg.get("video_token_id", 151656),
-            vision_start_token_id=cfg.get("vision_start_token_id", 151652),
-            vision_end_token_id=cfg.get("vision_end_token_id", 151653),
-            bos_token_id=text_cfg.get("bos_token_id", 151643),
-            eos_token_id=text_cfg.get("eos_token_id", 151645),
-            pad_token_id=text_cfg.get("pad_token_id"),
-        )
+    def from_hf_config(cls, cfg: dict, source: str | Path = "config.json") -> "ModelArgs":
+        """Read a transformers 4.x (flat) or 5.x (`text_config`) Qwen2.5-VL config dict as transformers reads
+        it; a field this model does not reproduce raises UnsupportedConfigError naming it and `source`."""
+        from .hf_config import parse_hf_config  # it builds ModelArgs: imported here to keep one direction
+
+        return parse_hf_config(cfg, source)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "ModelArgs":
@@ -131,7 +93,7 @@ class ModelArgs:
         if not config_path.is_file():
             raise FileNotFoundError(f"no config.json in HF checkpoint folder {path}")
         with open(config_path) as f:
-            return cls.from_hf_config(json.load(f))
+            return cls.from_hf_config(json.load(f), config_path)
 
     def to_hf_config(self) -> dict:
         """A transformers-5 style `config.json` dict (also read by transformers 4.5x)."""
@@ -144,11 +106,11 @@ class ModelArgs:
             "num_hidden_layers": t.num_layers,
             "num_attention_heads": t.num_heads,
             "num_key_value_heads": t.num_kv_heads,
-            "hidden_act": "silu",
+            "hidden_act": t.hidden_act,
             "rms_norm_eps": t.rms_norm_eps,
             "max_position_embeddings": t.max_position_embeddings,
-            "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta,
-                                "mrope_section": list(t.mrope_section)},
+            "rope_parameters": {"rope_theta": t.rope_theta, "mrope_section": list(t.mrope_section),
+                                **_rope_scaling_to_hf(t.rope_scaling)},
             "tie_word_embeddings": t.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
@@ -169,7 +131,7 @@ class ModelArgs:
             "window_size": v.window_size,
             "out_hidden_size": v.out_hidden_size,
             "fullatt_block_indexes": list(v.fullatt_block_indexes),
-            "hidden_act": "silu",
+            "hidden_act": v.hidden_act,
         }
         return {
             "architectures": ["Qwen2_5_VLForConditionalGeneration"],
@@ -196,6 +158,20 @@ class ModelArgs:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _rope_scaling_to_hf(s: RopeScaling) -> dict:
+    """The `rope_parameters` keys transformers reads for this rope_type (None fields left to its defaults)."""
+    if s.rope_type == "default":
+        return {"rope_type": "default"}
+    if s.rope_type == "linear":
+        return {"rope_type": "linear", "factor": s.factor}
+    out = {"rope_type": "yarn", "factor": s.factor, "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
+           "truncate": s.truncate}
+    for key in ("original_max_position_embeddings", "attention_factor", "mscale", "mscale_all_dim"):
+        if getattr(s, key) is not None:
+            out[key] = getattr(s, key)
+    return out
 
 
 def _vision(out_hidden: int) -> VisionArgs:

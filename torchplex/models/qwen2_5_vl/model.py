@@ -15,9 +15,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..activations import activation
 from ..attention import CausalAttention, PrefixAttention, PrefixState, SharedPrefixAttention
 from .args import ModelArgs, TextArgs, VisionArgs
 from .rope_index import text_positions
+from .rope_scaling import text_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -38,16 +40,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """Gated MLP: w2(act(w1 x) * w3 x); SwiGLU with the published configs' hidden_act "silu"."""
 
-    def __init__(self, dim: int, hidden: int, bias: bool):
+    def __init__(self, dim: int, hidden: int, bias: bool, hidden_act: str = "silu"):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=bias)
         self.w3 = nn.Linear(dim, hidden, bias=bias)
         self.w2 = nn.Linear(hidden, dim, bias=bias)
+        self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -96,7 +99,7 @@ class VisionBlock(nn.Module):
         self.norm1 = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attn = VisionAttention(args)
         self.norm2 = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, bias=True)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, bias=True, hidden_act=args.hidden_act)
 
     def forward(self, x, cos, sin, cu_seqlens):
         x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
@@ -205,14 +208,18 @@ class VisionTransformer(nn.Module):
 
 def mrope_cos_sin(args: TextArgs, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """position_ids (3, B, T) -> cos, sin (B, 1, T, D). Frequency band i of each section takes its angle from
-    the t, h or w axis (mrope_section), the two halves of the head dim repeat the same bands."""
-    dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float) / dim))
+    the t, h or w axis (mrope_section), the two halves of the head dim repeat the same bands. Scaled RoPE
+    (linear, yarn) changes the frequencies, and yarn multiplies cos and sin by its attention factor in fp32."""
+    inv_freq, scale = text_inv_freq(args.rope_scaling, args.rope_theta, args.head_dim, args.max_position_embeddings,
+                                    position_ids.device)
     angles = position_ids[..., None].float() * inv_freq  # (3, B, T, D/2)
     axis = torch.cat([torch.full((n,), i, device=position_ids.device) for i, n in enumerate(args.mrope_section)])
     angles = angles.gather(0, axis.view(1, 1, 1, -1).expand(1, *angles.shape[1:])).squeeze(0)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+    cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 class Attention(nn.Module):
@@ -265,7 +272,7 @@ class DecoderLayer(nn.Module):
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.feed_forward = GatedMLP(args.hidden_size, args.intermediate_size, bias=False)
+        self.feed_forward = GatedMLP(args.hidden_size, args.intermediate_size, bias=False, hidden_act=args.hidden_act)
 
     def forward(self, h, cos, sin, attn, layer: int, fused_qkv: bool = False):
         h = h + self.attention(self.attention_norm(h), cos, sin, attn, layer, fused_qkv)
