@@ -77,7 +77,8 @@ def train_activation_bytes(args: ModelArgs, *, prompt_tokens: int, group: int, r
                 saved activations, the prefix's recorded K/V, the vision tower's block inputs (when it trains),
                 the pixel batch (fp32 and bf16) and the suffixes' attention mask
     then the largest of three moments:
-    entropy     the forward's no-grad entropy of one LM-head chunk: bf16 logits + four fp32 [chunk x V] tensors
+    entropy     the forward's entropy of one LM-head chunk (`entropy_from_hidden`): four fp32 [chunk x V] tensors
+                (the bf16 logits are freed once upcast)
     lm_head     the LM head's backward (`logprobs_from_hidden`): an fp32 [V x D] weight-gradient accumulator, a
                 bf16 [V x D] partial product and one chunk's fp32 logits / softmax / gradient
     backward    the start of the prefix backward: one layer's recompute, the gradients of the prefix K/V that the
@@ -107,7 +108,7 @@ def train_activation_bytes(args: ModelArgs, *, prompt_tokens: int, group: int, r
     mask = suffix * (prefix + suffix) * 3  # the suffixes' block mask (bool) and its additive form in attention
     held = (prefix + suffix) * t.num_layers * per_layer + prefix * t.num_layers * 4 * kv_dim + vision + pixels + mask
     chunk = min(logits_chunk, suffix)
-    entropy = chunk * vocab * (2 + 4 * 4)
+    entropy = chunk * vocab * 4 * 4
     lm_head = 4 * vocab * h + max(2 * vocab * h + 6 * chunk * vocab, 14 * chunk * vocab)
     recompute = (max(prefix, suffix) * saved if checkpointing else 0) + (
         patches * vision_saved if vision_trainable and checkpointing else 0)

@@ -94,3 +94,36 @@ def test_dynamic_sampling_keeps_only_groups_with_reward_spread():
 
 def test_dynamic_sampling_never_keeps_single_sample_groups():
     assert dynamic_sampling_keep(torch.tensor([0.0, 1.0]), 1).tolist() == [False, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("method", ADVANTAGE_METHODS)
+def test_equal_rewards_give_exactly_zero_for_every_value_dtype_and_group_size(method, dtype):
+    """Issue 16 defect 2: equal rewards in a group must give exactly 0 (compute_advantages(full((8,), 0.7), 8,
+    "grpo") gave 0.056 per sample in float32: the mean was an ulp off and grpo divided it by an ulp-sized std)."""
+    values = [0.7, 0.1, 1 / 3, -2.3, 1e-8, 123.456, 1e6 + 0.1, 0.0, -0.0, 1.0, 0.3]
+    for size in (2, 3, 5, 7, 8, 16, 64, 100):
+        for v in values:
+            other = torch.full((size,), 0.25, dtype=dtype)
+            other[0] = 1.0  # a varied group beside it keeps its own advantages
+            rewards = torch.cat([torch.full((size,), v, dtype=dtype), other])
+            out = compute_advantages(rewards, size, method)
+            assert out.dtype == dtype
+            assert torch.equal(out[:size], torch.zeros(size, dtype=dtype)), (method, dtype, size, v, out[:size])
+            assert out[size:].abs().sum() > 0
+            reference = compute_advantages(other.double(), size, method).to(dtype)
+            torch.testing.assert_close(out[size:], reference, rtol=1e-6, atol=0)
+
+
+def test_grpo_matches_the_published_formula_with_the_sample_std():
+    """DeepSeekMath's (r - mean) / std, with the sample (n - 1) std of verl and TRL and their eps = 1e-6, in plain
+    Python for a float32 batch; Dr. GRPO's r - mean without the std."""
+    rewards = [0.7, 0.7, 0.7, 0.2, 1.0, 0.0, 0.0, 1.0]
+    out = compute_advantages(torch.tensor(rewards), 4, "grpo")
+    dr = compute_advantages(torch.tensor(rewards), 4, "dr_grpo")
+    for g in range(2):
+        group = [float(torch.tensor(r)) for r in rewards[4 * g:4 * g + 4]]  # the float32 values, exactly
+        mean, std = statistics.mean(group), statistics.stdev(group)
+        expected = [(r - mean) / (std + 1e-6) for r in group]
+        torch.testing.assert_close(out[4 * g:4 * g + 4], torch.tensor(expected), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dr[4 * g:4 * g + 4], torch.tensor([r - mean for r in group]), rtol=0, atol=1e-7)

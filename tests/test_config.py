@@ -301,3 +301,45 @@ def test_run_train_sh_launches_from_any_folder_with_overrides(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"STUB rank=0 file={user_config} steps=6" in result.stdout
+
+
+# ---- issue 16 defect 5: values that train nothing, named algorithms -------------------------------------------
+
+@pytest.mark.parametrize("key,value", [("rollout.n_samples", 1), ("algorithm.ppo_epochs", 0)])
+def test_values_that_train_nothing_are_refused_naming_key_and_file(tmp_path, key, value):
+    """Issue 16 defect 5: n_samples = 1 (no group baseline: every advantage 0) and ppo_epochs = 0 were accepted and
+    trained nothing; refused at load with the key and the file named, from the file and from the command line."""
+    section, name = key.split(".")
+    path = write_toml(tmp_path, f"[{section}]\n{name} = {value}\n")
+    with pytest.raises(ConfigError, match=rf"{key} = {value} must be >= .*config from {path}"):
+        load_file(path)
+    with pytest.raises(ConfigError, match=rf"{key} = {value} must be >= .*command line"):
+        load_config([f"--{key}={value}"])
+    with pytest.raises(ConfigError, match=rf"{key} = {value} must be >= .*config from my.toml"):
+        Config.from_dict({section: {name: value}}, origin="my.toml")
+
+
+def test_named_algorithms_get_their_papers_loss_defaults(tmp_path):
+    """Issue 16 defect 5: each named algorithm's defaults are its paper's (GRPO and GSPO seq-mean-token-mean,
+    DAPO token-mean with clip-higher and dynamic sampling, Dr. GRPO seq-mean-token-sum-norm without the std); main's
+    defaults were token-mean with clip 0.28 under any importance. Keys given in the file or on the command line win."""
+    expected = {
+        "grpo": ("grpo", "token", "seq-mean-token-mean", 0.2, 0.2, False),
+        "dapo": ("grpo", "token", "token-mean", 0.2, 0.28, True),
+        "dr_grpo": ("dr_grpo", "token", "seq-mean-token-sum-norm", 0.2, 0.2, False),
+        "gspo": ("grpo", "sequence", "seq-mean-token-mean", 3e-4, 4e-4, False),
+    }
+
+    def settings(cfg):
+        a = cfg.algorithm
+        return a.advantage, a.importance, a.loss_agg, a.clip_low, a.clip_high, a.dynamic_sampling
+
+    assert settings(Config()) == settings(load_config([])) == expected["grpo"]
+    for name, want in expected.items():
+        assert settings(load_config([f"--algorithm.name={name}"])) == want
+        path = write_toml(tmp_path, f'[algorithm]\nname = "{name}"\nloss_agg = "seq-mean-token-sum"\n')
+        cfg = load_file(path, "--algorithm.clip_high=0.5")
+        assert settings(cfg) == (*want[:2], "seq-mean-token-sum", want[3], 0.5, want[5])
+        assert settings(Config.from_dict({"algorithm": {"name": name}})) == want
+        saved = load_file(str(cfg.save(tmp_path / f"{name}.toml")))  # every key is written, so all are given
+        assert saved.to_dict()["algorithm"] == cfg.to_dict()["algorithm"]

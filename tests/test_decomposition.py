@@ -10,7 +10,7 @@ from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.decomposition import DecomposedScorer
-from torchplex.runtime.grpo_step import Experience, kl_to_reference, reference_phase, train_phase
+from torchplex.runtime.grpo_step import Experience, kl_to_reference, micro_batches, reference_phase, train_phase
 from torchplex.runtime.scoring import SerialScorer
 
 RTOL = 1e-5
@@ -51,12 +51,12 @@ def make_experience(prompts, model, group, eos, seed=0):
                       keep_groups=torch.ones(len(prompts), dtype=torch.bool))
 
 
-def run_step(model, reference, scorer, exp, micro_batch_size, ppo_epochs, whole_groups):
+def run_step(model, reference, scorer, exp, micro_batch_size, ppo_epochs, whole_groups, cfg=None):
     exp = copy.copy(exp)
     exp.ref_logprobs = exp.old_logprobs = None
     reference_phase(reference, scorer, exp, 1.0, micro_batch_size, whole_groups)
     optimizer = RecordingSGD(model)
-    cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1, kl_estimator="k3")
+    cfg = cfg or PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1, kl_estimator="k3")
     result = train_phase(model, scorer, exp, optimizer, None, cfg, temperature=1.0, micro_batch_size=micro_batch_size,
                          whole_groups=whole_groups, ppo_epochs=ppo_epochs, grad_clip=1e9, max_len=10)
     return exp, result, optimizer.records
@@ -68,6 +68,7 @@ def rel(a, b):
 
 @pytest.mark.parametrize("frozen_vision,group,micro_batch_size,ppo_epochs", [
     (False, 4, 4, 1), (True, 4, 4, 1), (False, 8, 8, 2), (True, 1, 2, 2), (False, 1, 16, 1), (True, 8, 16, 1),
+    (False, 4, 2, 1), (True, 4, 3, 2),  # micro-batches smaller than a group: the groups are cut
 ])
 def test_decomposed_step_equals_serial_step(assets, frozen_vision, group, micro_batch_size, ppo_epochs):
     prompts, base, reference, eos = assets
@@ -131,3 +132,54 @@ def test_token_forwards_saving(assets):
     R = int(exp.lengths.sum())
     assert scorer.counts.prefix_tokens == P and scorer.counts.response_tokens == R
     assert scorer.serial_equivalent_tokens == 8 * P + R
+
+
+def test_micro_batch_size_counts_sequences_in_every_mode():
+    """Issue 16 defect 5: micro_batch_size is sequences per micro-batch also with whole groups (main: max(1,
+    micro_batch_size // group) groups, so 4 with groups of 8 ran 8 sequences): at most micro_batch_size, exactly
+    when it is a multiple of the group size; a group larger than it is cut into pieces of that size."""
+    samples = list(range(16))
+    for mbs in (1, 2, 3, 4, 5, 8, 12, 16):
+        for whole in (False, True):
+            batches = micro_batches(samples, 8, mbs, whole)
+            assert [s for b in batches for s in b] == samples
+            assert max(len(b) for b in batches) <= mbs
+    assert micro_batches(samples, 8, 4, True) == [samples[0:4], samples[4:8], samples[8:12], samples[12:16]]
+    assert micro_batches(samples, 8, 3, True) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9, 10], [11, 12, 13], [14, 15]]
+    assert micro_batches(samples, 4, 8, True) == [samples[0:8], samples[8:16]]
+    assert micro_batches(samples, 4, 6, True) == [samples[i:i + 4] for i in range(0, 16, 4)]  # groups stay whole
+
+
+@pytest.mark.parametrize("scorer_kind,micro_batch_size", [("serial", 3), ("decomposed", 4), ("decomposed", 2)])
+def test_entropy_bonus_trains_and_subtracts_coef_times_entropy(assets, scorer_kind, micro_batch_size):
+    """Issue 16 defect 5: algorithm.entropy_coef > 0 crashed on main (train_phase never passed the entropy to
+    policy_loss). With token-mean aggregation the step's loss is the coefficient-0 loss minus coef * the logged mean
+    entropy, in serial and decomposed scoring, over two PPO epochs; the bonus has a gradient (the weights' gradients
+    change), and decomposed equals serial with it."""
+    prompts, base, reference, eos = assets
+    exp = make_experience(prompts, base, 4, eos, seed=5)
+    whole = scorer_kind == "decomposed"
+    results = {}
+    for coef in (0.0, 0.05):
+        cfg = PolicyLossConfig(loss_agg="token-mean", kl_coef=0.1, entropy_coef=coef)
+        scorer = DecomposedScorer() if whole else SerialScorer()
+        _, result, grads = run_step(copy.deepcopy(base), reference, scorer, exp, micro_batch_size, 2, whole, cfg)
+        results[coef] = result, grads
+    (plain, plain_grads), (bonus, bonus_grads) = results[0.0], results[0.05]
+    assert bonus.entropy == pytest.approx(plain.entropy, rel=1e-6) and bonus.entropy > 0
+    # loss = pg + kl_coef * KL - entropy_coef * H, every term token-mean (the stats are the last epoch's)
+    assert plain.stats.entropy is None and bonus.stats.entropy is not None
+    extra = bonus.stats.loss - bonus.stats.pg_loss - 0.1 * bonus.stats.kl
+    torch.testing.assert_close(extra, -0.05 * bonus.stats.entropy, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(plain.stats.loss - plain.stats.pg_loss - 0.1 * plain.stats.kl, torch.tensor(0.0),
+                               rtol=0, atol=1e-7)
+    changed = [n for n in plain_grads[0] if not torch.allclose(plain_grads[0][n], bonus_grads[0][n], atol=1e-9)]
+    assert changed, "the entropy bonus has no gradient"
+    if whole:
+        _, serial, serial_grads = run_step(copy.deepcopy(base), reference, SerialScorer(), exp, micro_batch_size, 2,
+                                           False, PolicyLossConfig(loss_agg="token-mean", kl_coef=0.1,
+                                                                   entropy_coef=0.05))
+        assert rel(bonus.stats.loss, serial.stats.loss) < RTOL
+        for epoch in range(2):
+            for name, g in serial_grads[epoch].items():
+                assert rel(bonus_grads[epoch][name], g) < RTOL, (epoch, name)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchplex.rl.logprobs import logprobs_from_hidden, token_entropy, token_logprobs
+from torchplex.rl.logprobs import entropy_from_hidden, logprobs_from_hidden, token_entropy, token_logprobs
 
 TOL = 1e-6
 B, T, V, D = 2, 12, 50, 16  # B * T = 24 flattened tokens
@@ -228,3 +228,24 @@ def test_mismatched_shapes_are_rejected_with_both_shapes():
     hidden, weight, targets = _hidden_inputs()
     with pytest.raises(ValueError, match=r"\(50, 15\)"):
         logprobs_from_hidden(hidden, weight[:, :15], targets)
+
+
+@pytest.mark.parametrize("temperature,chunk_size", [(1.0, 5), (0.7, 24), (1.3, 1000)])
+def test_entropy_from_hidden_value_and_gradient_equal_plain_autograd(temperature, chunk_size):
+    """Issue 16 defect 5 (the entropy bonus needs a gradient): the chunked entropy of hidden @ weight.T equals
+    -sum softmax * log_softmax of the unchunked logits, and so do its gradients w.r.t. hidden and weight
+    (float64, 1e-10), with a non-uniform upstream gradient."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(B, T, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    logp = torch.log_softmax(hidden @ weight.T / temperature, dim=-1)
+    reference = -(logp.exp() * logp).sum(-1)
+    ref_grads = torch.autograd.grad((reference * upstream).sum(), (hidden, weight))
+    out = entropy_from_hidden(hidden, weight, temperature, chunk_size)
+    grads = torch.autograd.grad((out * upstream).sum(), (hidden, weight))
+    torch.testing.assert_close(out, reference, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out.detach(), token_entropy(hidden.detach() @ weight.detach().T, temperature),
+                               rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

@@ -77,16 +77,36 @@ def test_token_mean_divides_by_the_number_of_valid_tokens():
     _close(aggregate(_t(VALUES), torch.tensor(MASK), "token-mean"), expected)
 
 
-def test_seq_mean_token_mean_averages_per_sequence_means_over_non_empty_sequences():
-    rows = _valid_rows()
-    expected = sum(sum(r) / len(r) for r in rows) / len(rows)
-    _close(aggregate(_t(VALUES), torch.tensor(MASK), "seq-mean-token-mean"), expected)
+def test_seq_mean_token_mean_averages_per_sequence_means_over_all_sequences():
+    """Issue 16 defect 5 (empty rows): the empty row counts as a sequence contributing 0, as in TRL and verl:
+    (mean(1, 2) + mean(5, 6, 7) + 0) / 3 = (1.5 + 6 + 0) / 3 = 2.5 (main dropped it: 3.75)."""
+    _close(aggregate(_t(VALUES), torch.tensor(MASK), "seq-mean-token-mean"), 2.5)
+
+
+def test_seq_mean_token_sum_averages_per_sequence_sums():
+    """verl's seq-mean-token-sum: ((1 + 2) + (5 + 6 + 7) + 0) / 3 = 7."""
+    _close(aggregate(_t(VALUES), torch.tensor(MASK), "seq-mean-token-sum"), 7.0)
 
 
 def test_seq_mean_token_sum_norm_divides_sums_by_max_len_times_sequences():
-    rows = _valid_rows()
-    expected = sum(map(sum, rows)) / (len(VALUES[0]) * len(rows))
-    _close(aggregate(_t(VALUES), torch.tensor(MASK), "seq-mean-token-sum-norm"), expected)
+    """Dr. GRPO: 21 / (4 * 3) = 1.75."""
+    _close(aggregate(_t(VALUES), torch.tensor(MASK), "seq-mean-token-sum-norm"), 1.75)
+
+
+def test_aggregations_equal_trls_grpo_and_dr_grpo_losses_with_an_empty_row():
+    """Issue 16 defect 5: with one empty row of 32, seq-mean-token-mean is TRL's loss_type="grpo" and
+    seq-mean-token-sum-norm its "dr_grpo" (main gave 32/31 of them), token-mean its "bnpo"/"dapo" on one process."""
+    values, mask = _ragged_batch(seed=3, n=6, t=7)
+    values, mask = values.repeat(6, 1)[:32], mask.repeat(6, 1)[:32]
+    mask[5] = False
+    assert (mask.sum(-1) == 0).sum() >= 1
+    m = mask.to(F64)
+    trl_grpo = ((values * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    trl_dr_grpo = (values * m).sum() / (values.size(0) * values.size(1))
+    trl_bnpo = (values * m).sum() / m.sum().clamp(min=1.0)
+    _close(aggregate(values, mask, "seq-mean-token-mean"), trl_grpo.item(), tol=1e-12)
+    _close(aggregate(values, mask, "seq-mean-token-sum-norm"), trl_dr_grpo.item(), tol=1e-12)
+    _close(aggregate(values, mask, "token-mean"), trl_bnpo.item(), tol=1e-12)
 
 
 def test_given_normalisers_replace_the_defaults():
@@ -163,9 +183,9 @@ def test_micro_batch_sum_equals_full_batch(mode):
     _close(sum(parts), full.item())
 
 
-def test_batch_totals_count_tokens_non_empty_sequences_and_width():
+def test_batch_totals_count_tokens_all_sequences_and_width():
     _, mask = _ragged_batch()
-    assert BatchTotals.from_mask(mask) == BatchTotals(total_tokens=18.0, total_seqs=5, max_len=7)
+    assert BatchTotals.from_mask(mask) == BatchTotals(total_tokens=18.0, total_seqs=6, max_len=7)
 
 
 # ----------------------------------------------------------------------------- PPO clip
@@ -222,7 +242,7 @@ def test_on_policy_gradient_is_minus_advantage_times_token_weight():
     logp = _t([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]]).requires_grad_()
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
     adv = _t([2.0, -1.0])
-    loss, stats = policy_loss(logp, logp.detach(), adv, mask, PolicyLossConfig())
+    loss, stats = policy_loss(logp, logp.detach(), adv, mask, PolicyLossConfig(loss_agg="token-mean"))
     loss.backward()
     _close(loss, -(2.0 * 3 - 1.0) / 4)
     _close(logp.grad, [[-2.0 / 4] * 3, [1.0 / 4, 0.0, 0.0]])
@@ -316,8 +336,9 @@ def test_gspo_gradient_matches_finite_differences(mode):
 def test_kl_term_adds_coefficient_times_aggregated_k3_and_reports_mean_kl():
     logp, old, adv, mask = _gspo_inputs()
     ref = old - 0.3
-    base, _ = policy_loss(logp, old, adv, mask, PolicyLossConfig())
-    loss, stats = policy_loss(logp, old, adv, mask, PolicyLossConfig(kl_coef=0.1), ref_logprobs=ref)
+    base, _ = policy_loss(logp, old, adv, mask, PolicyLossConfig(loss_agg="token-mean"))
+    loss, stats = policy_loss(logp, old, adv, mask, PolicyLossConfig(kl_coef=0.1, loss_agg="token-mean"),
+                              ref_logprobs=ref)
     per_token = [
         [math.exp(-0.3 - d) + 0.3 + d - 1 for d, m in zip(drow, mrow) if m]
         for drow, mrow in zip(GSPO_DELTA, GSPO_MASK)
@@ -429,3 +450,14 @@ def test_shape_mismatch_names_the_argument():
         policy_loss(logp, old[:, :3], adv, mask, PolicyLossConfig())
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(logp, old, adv[:1], mask, PolicyLossConfig())
+
+
+def test_default_aggregation_is_grpos_sequence_mean():
+    """Issue 16 defect 5: PolicyLossConfig's defaults are GRPO's, and DeepSeekMath's GRPO objective (eq. 3) is
+    1/G sum_i 1/|o_i| sum_t: the per-sequence token mean (main defaulted to token-mean)."""
+    assert PolicyLossConfig().loss_agg == "seq-mean-token-mean"
+    logp = _t([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]]).requires_grad_()
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    loss, _ = policy_loss(logp, logp.detach(), _t([2.0, -1.0]), mask, PolicyLossConfig())
+    _close(loss, (-2.0 + 1.0) / 2)  # on-policy ratio 1: -(mean_t A_i) averaged over the two sequences
+

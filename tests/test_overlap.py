@@ -84,7 +84,7 @@ def setup(grpo_assets):
 
 
 def run(setup, mode, frozen, ppo_epochs=1, suffix_window=False, threaded=False, stops=None, max_new=6,
-        sample_batch=0):
+        sample_batch=0, loss=None, micro_batch_size=4):
     """One step; stops: stop token ids (default <|im_end|>); threaded: the window's jobs on their own thread."""
     processor, prompts, base, reference = setup
     actor = copy.deepcopy(base)
@@ -94,8 +94,8 @@ def run(setup, mode, frozen, ppo_epochs=1, suffix_window=False, threaded=False, 
         ref.visual = actor.visual
     engine = RolloutEngine(actor, kv_pool_bytes=16 * 2**20)
     optimizer = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=0.1)
-    settings = StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=4, ppo_epochs=ppo_epochs,
-                            grad_clip=1e9, loss=PolicyLossConfig(kl_coef=0.1),
+    settings = StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=micro_batch_size,
+                            ppo_epochs=ppo_epochs, grad_clip=1e9, loss=loss or PolicyLossConfig(kl_coef=0.1),
                             plan=PlanOptions(mode=mode, ref_prefix_in_window=True, ref_suffix_in_window=suffix_window,
                                              window_sample_batch=sample_batch))
     runner = StepRunner(actor, ref, engine, optimizer, None, processor.tokenizer, settings)
@@ -128,6 +128,22 @@ def test_overlapped_step_equals_decomposed_step(setup, frozen, ppo_epochs):
     assert len(runner.scorer.store) == 0
     # 3 reference and 3 first-epoch training micro-batches (one group each) took held prefixes instead of computing
     assert runner.scorer.store.served == 6
+
+
+@pytest.mark.parametrize("micro_batch_size", [4, 2])
+def test_overlapped_step_with_entropy_bonus_equals_decomposed_step(setup, micro_batch_size):
+    """Issue 16 defect 5: entropy_coef > 0 runs in the overlapped mode (it crashed on main) and gives the decomposed
+    step's loss and weights, also with micro-batches of half a group (the fused prefix serves the first half, the
+    second runs the prefix again); the loss is pg + kl_coef * KL - entropy_coef * H (token-mean terms)."""
+    loss = PolicyLossConfig(kl_coef=0.1, entropy_coef=0.05, loss_agg="token-mean")
+    dec, dec_actor, _ = run(setup, "decomposed", False, 2, loss=loss, micro_batch_size=micro_batch_size)
+    ovl, ovl_actor, _ = run(setup, "overlapped", False, 2, loss=loss, micro_batch_size=micro_batch_size)
+    assert rel(ovl.train.stats.loss, dec.train.stats.loss) < RTOL
+    for (name, a), b in zip(ovl_actor.named_parameters(), dec_actor.parameters()):
+        assert rel(a, b) < RTOL, name
+    stats = ovl.train.stats
+    torch.testing.assert_close(stats.loss - stats.pg_loss - 0.1 * stats.kl, -0.05 * stats.entropy, rtol=1e-5,
+                               atol=1e-7)
 
 
 def test_fused_prefill_is_one_batched_forward_and_one_batched_prefix_backward(setup, monkeypatch):

@@ -83,17 +83,42 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
+    # The named algorithm sets the defaults of the keys in ALGORITHM_DEFAULTS[name] that are not given (file or
+    # command line); a given key always wins. The dataclass defaults below are GRPO's.
+    name: Literal["grpo", "dapo", "dr_grpo", "gspo"] = "grpo"
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] ("clip-higher" when they differ)
-    clip_high: float = 0.28
+    clip_high: float = 0.2
     kl_coef: float = 0.0  # 0 = no reference model is needed
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                      "seq-mean-token-sum-norm"] = "seq-mean-token-mean"  # docs/losses.md
     importance: Literal["token", "sequence"] = "token"  # per-token (GRPO) or per-sequence (GSPO) ratio
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal (zero advantage)
     ppo_epochs: int = 1
-    micro_batch_size: int = 8  # sequences per forward/backward
-    entropy_coef: float = 0.0
+    # Sequences per forward/backward in every mode. The decomposed modes keep a prompt's group together when this
+    # is a multiple of rollout.n_samples (its prefix runs once); a smaller value cuts each group into pieces of
+    # this size (each piece runs the prefix again); any other value leaves micro-batches of whole groups only.
+    micro_batch_size: int = 8
+    entropy_coef: float = 0.0  # > 0: an entropy bonus, aggregated like the loss
+
+
+# Each named algorithm's published settings of the loss keys (docs/losses.md gives the formulas and sources).
+# kl_coef is none of them: DeepSeekMath's GRPO uses 0.04 and needs a reference model, DAPO and Dr. GRPO drop KL.
+ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
+    # DeepSeekMath (arXiv:2402.03300) eq. 3: 1/G sum_i 1/|o_i| sum_t, group-normalised advantages; PPO's clip 0.2
+    "grpo": dict(advantage="grpo", importance="token", loss_agg="seq-mean-token-mean", clip_low=0.2,
+                 clip_high=0.2, dynamic_sampling=False),
+    # DAPO (arXiv:2503.14476) sections 3.1-3.3: clip-higher 0.2 / 0.28, dynamic sampling, token-level loss
+    "dapo": dict(advantage="grpo", importance="token", loss_agg="token-mean", clip_low=0.2, clip_high=0.28,
+                 dynamic_sampling=True),
+    # Dr. GRPO (arXiv:2503.20783) section 3.1: no std in the advantage, sums over a constant length
+    "dr_grpo": dict(advantage="dr_grpo", importance="token", loss_agg="seq-mean-token-sum-norm", clip_low=0.2,
+                    clip_high=0.2, dynamic_sampling=False),
+    # GSPO (arXiv:2507.18071): the sequence-level ratio s_i, the sequence mean, its experiments' clip 3e-4 / 4e-4
+    "gspo": dict(advantage="grpo", importance="sequence", loss_agg="seq-mean-token-mean", clip_low=3e-4,
+                 clip_high=4e-4, dynamic_sampling=False),
+}
 
 
 @dataclass
@@ -194,8 +219,8 @@ class Config:
     def from_dict(cls, data: dict[str, Any], origin: str = "dict") -> "Config":
         """Defaults overridden by `data` ({section: {key: value}}); missing keys keep their default."""
         cfg = cls()
-        _apply_tables(cfg, data, origin)
-        _check_values(cfg)
+        _apply_algorithm_defaults(cfg, _apply_tables(cfg, data, origin))
+        _check_values(cfg, origin)
         return cfg
 
     def save(self, path: str | Path) -> Path:
@@ -300,29 +325,44 @@ def _annotation(section: str, key: str, origin: str) -> Any:
     return sections[section][key]
 
 
-def _set(cfg: Config, section: str, key: str, value: Any, origin: str, from_text: bool = False) -> None:
+def _set(cfg: Config, section: str, key: str, value: Any, origin: str, from_text: bool = False) -> str:
+    """Set section.key and return that name."""
     annotation, name = _annotation(section, key, origin), f"{section}.{key}"
     value = _parse_text(value, annotation, name, origin) if from_text else _coerce(value, annotation, name, origin)
     setattr(getattr(cfg, section), key, value)
+    return name
 
 
-def _apply_tables(cfg: Config, data: dict[str, Any], origin: str) -> None:
+def _apply_tables(cfg: Config, data: dict[str, Any], origin: str) -> set[str]:
+    """Set every key of {section: {key: value}}; return the names set."""
+    given = set()
     for section, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{section} = {table!r} in {origin} is not inside a [section]{_suggest('', section)}")
         for key, value in table.items():
-            _set(cfg, section, key, value, origin)
+            given.add(_set(cfg, section, key, value, origin))
+    return given
+
+
+def _apply_algorithm_defaults(cfg: Config, given: set[str]) -> None:
+    """The named algorithm's settings for the algorithm keys that were not given."""
+    for key, value in ALGORITHM_DEFAULTS[cfg.algorithm.name].items():
+        if f"algorithm.{key}" not in given:
+            setattr(cfg.algorithm, key, value)
 
 
 # Whole-config sanity checks: (key, predicate, requirement). Run after every override so the combined result counts.
 _CHECKS = [
-    ("rollout.n_samples", lambda c: c.rollout.n_samples >= 1, "must be >= 1"),
+    ("rollout.n_samples", lambda c: c.rollout.n_samples >= 2,
+     "must be >= 2: the group-relative advantage compares a prompt's samples, so one sample per prompt gives "
+     "every advantage 0 and trains nothing"),
     ("rollout.temperature", lambda c: c.rollout.temperature >= 0, "must be >= 0"),
     ("rollout.top_p", lambda c: 0 < c.rollout.top_p <= 1, "must be in (0, 1]"),
     ("rollout.top_k", lambda c: c.rollout.top_k >= 0, "must be >= 0 (0 = off)"),
     ("algorithm.clip_low", lambda c: 0 <= c.algorithm.clip_low < 1, "must be in [0, 1)"),
     ("algorithm.clip_high", lambda c: c.algorithm.clip_high >= 0, "must be >= 0"),
     ("algorithm.micro_batch_size", lambda c: c.algorithm.micro_batch_size >= 1, "must be >= 1"),
+    ("algorithm.ppo_epochs", lambda c: c.algorithm.ppo_epochs >= 1, "must be >= 1 (0 epochs train nothing)"),
     ("reward.weights", lambda c: len(c.reward.weights) == len(c.reward.functions),
      "must have one weight per entry of reward.functions"),
     ("parallelism.dp_shard", lambda c: c.parallelism.dp_shard == -1 or c.parallelism.dp_shard >= 1,
@@ -384,18 +424,19 @@ def load_config(argv: list[str] | None = None) -> Config:
         print(format_help())
         raise SystemExit(0)
     overrides = _split_argv(argv)
-    cfg, origin = Config(), COMMAND_LINE
+    cfg, origin, given = Config(), COMMAND_LINE, set()
     config_files = [text for section, key, text in overrides if (section, key) == ("job", "config_file")]
     if config_files and config_files[-1]:
         origin = config_files[-1]
-        _apply_tables(cfg, load_toml(origin), origin)
+        given = _apply_tables(cfg, load_toml(origin), origin)
     for section, key, text in overrides:
         if text is None:  # a bare flag switches a boolean on
             annotation = _annotation(section, key, COMMAND_LINE)
             if annotation is not bool:
                 raise ConfigError(f"--{section}.{key} on the {COMMAND_LINE} needs a value ({_type_name(annotation)})")
             text = "true"
-        _set(cfg, section, key, text, COMMAND_LINE, from_text=True)
+        given.add(_set(cfg, section, key, text, COMMAND_LINE, from_text=True))
+    _apply_algorithm_defaults(cfg, given)
     _check_values(cfg, origin if origin == COMMAND_LINE else f"{origin} + {COMMAND_LINE}")
     return cfg
 

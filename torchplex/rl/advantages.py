@@ -37,16 +37,20 @@ def compute_advantages(
 ) -> Tensor:
     """Per-sample advantages (N,) from rewards (N,) whose groups of `group_size` are contiguous.
 
-    - "grpo":    (r - mean_g) / (std_g + eps), with the *unbiased* (n - 1) standard deviation,
-                 as `torch.std`'s default and the GRPO reference implementations use.
-    - "dr_grpo": r - mean_g. Dr. GRPO drops the std division because it up-weights groups whose
-                 rewards barely differ (too easy or too hard prompts).
+    - "grpo":    (r - mean_g) / (std_g + eps), DeepSeekMath's outcome-supervision advantage (arXiv:2402.03300
+                 section 4.1.2: r~_i = (r_i - mean(r)) / std(r)). The paper does not say which std; this is the
+                 *sample* std (n - 1 denominator) that verl's `compute_grpo_outcome_advantage` (`torch.std`) and
+                 TRL's GRPOTrainer (`Tensor.std`) use, with verl's and TRL's eps added to the std.
+    - "dr_grpo": r - mean_g. Dr. GRPO (arXiv:2503.20783, section 3.1) drops the std division because it
+                 up-weights groups whose rewards barely differ (too easy or too hard prompts).
     - "rloo":    r_i - mean_{j != i} r_j, the leave-one-out baseline, which equals
                  group_size / (group_size - 1) * (r_i - mean_g).
 
-    Groups with all-equal rewards get advantage 0 under every method (grpo: 0 / (0 + eps)).
-    group_size == 1 gives all zeros (see module docstring). Integer rewards are promoted to float32;
-    floating rewards keep their dtype.
+    The arithmetic runs in float64 and the result is cast back to the rewards' dtype: a float32 mean of equal
+    values can be an ulp off, and grpo then divides that ulp by an ulp-sized std + eps (0.7 in groups of 8 gave
+    0.056 per sample). A group whose rewards are all equal gets exactly 0 under every method, for any value, dtype
+    and group size: it carries no learning signal. group_size == 1 gives all zeros (see module docstring).
+    Integer rewards are promoted to float32; floating rewards keep their dtype.
     """
     if method not in ADVANTAGE_METHODS:
         raise ValueError(f"unknown advantage method {method!r}; expected one of {ADVANTAGE_METHODS}")
@@ -54,16 +58,19 @@ def compute_advantages(
     if group_size == 1:
         return torch.zeros_like(groups).view(-1)
 
-    mean = groups.mean(dim=-1, keepdim=True)
+    exact = groups.to(torch.float64)
+    mean = exact.mean(dim=-1, keepdim=True)
     if method == "grpo":
-        std = groups.std(dim=-1, keepdim=True, correction=1)
-        advantages = (groups - mean) / (std + eps)
+        std = exact.std(dim=-1, keepdim=True, correction=1)
+        advantages = (exact - mean) / (std + eps)
     elif method == "dr_grpo":
-        advantages = groups - mean
+        advantages = exact - mean
     else:  # rloo
-        others_mean = (groups.sum(dim=-1, keepdim=True) - groups) / (group_size - 1)
-        advantages = groups - others_mean
-    return advantages.reshape(-1)
+        others_mean = (exact.sum(dim=-1, keepdim=True) - exact) / (group_size - 1)
+        advantages = exact - others_mean
+    equal = exact.amax(dim=-1, keepdim=True) == exact.amin(dim=-1, keepdim=True)
+    advantages = torch.where(equal, torch.zeros((), dtype=torch.float64, device=exact.device), advantages)
+    return advantages.to(groups.dtype).reshape(-1)
 
 
 def dynamic_sampling_keep(rewards: Tensor, group_size: int) -> Tensor:

@@ -220,3 +220,64 @@ def logprobs_from_hidden(
         int(chunk_size),
     )
     return flat.view(targets.shape)
+
+
+class _ChunkedHiddenEntropy(torch.autograd.Function):
+    """hidden (M, D), weight (V, D) -> entropy of softmax(hidden @ weight.T / temperature) (M,), differentiable.
+
+    With p = softmax(x) and H = -sum_v p_v log p_v, dH/dx_v = -p_v (log p_v + H); the backward pass rebuilds each
+    chunk's log-probabilities from the saved log-sum-exp, as `_ChunkedHiddenLogProbs` does."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, temperature: float, chunk_size: int) -> Tensor:
+        dtype = _compute_dtype(hidden.dtype)
+        entropy = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
+        lse = torch.empty_like(entropy)
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = min(start + chunk_size, hidden.shape[0])
+            x = _scaled(hidden[start:end] @ weight.T, temperature)
+            lse[start:end] = torch.logsumexp(x, dim=-1)
+            logp = x - lse[start:end, None]
+            entropy[start:end] = -(torch.exp(logp) * logp).sum(dim=-1)
+        ctx.save_for_backward(hidden, weight, lse, entropy)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad_entropy: Tensor):
+        hidden, weight, lse, entropy = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=_compute_dtype(weight.dtype), device=weight.device) \
+            if need_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden.shape[0])
+            h = hidden[start:end]
+            logp = _scaled(h @ weight.T, ctx.temperature) - lse[start:end, None]
+            g = grad_entropy[start:end].to(logp.dtype)[:, None]
+            grad_logits = (torch.exp(logp) * (logp + entropy[start:end, None])).mul_(-g)
+            if ctx.temperature != 1.0:
+                grad_logits.div_(ctx.temperature)
+            grad_logits = grad_logits.to(hidden.dtype)
+            if need_hidden:
+                grad_hidden[start:end] = grad_logits @ weight
+            if need_weight:
+                grad_weight += grad_logits.T.to(grad_weight.dtype) @ h.to(grad_weight.dtype)
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def entropy_from_hidden(hidden: Tensor, weight: Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
+    """Entropy of softmax(hidden @ weight.T / temperature) per position, hidden (..., T, D) -> (..., T), chunk by
+    chunk like `logprobs_from_hidden`, and differentiable w.r.t. hidden and weight (the entropy bonus of the loss,
+    algorithm.entropy_coef, needs its gradient). Equals `token_entropy(hidden @ weight.T, temperature)`."""
+    _check_args(temperature, chunk_size)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be (V, D) with D = hidden.shape[-1] = {hidden.shape[-1]}, "
+                         f"got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one first")
+    flat = _ChunkedHiddenEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, float(temperature),
+                                       int(chunk_size))
+    return flat.view(hidden.shape[:-1])

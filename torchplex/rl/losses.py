@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_LEVELS = ("token", "sequence")
 
@@ -61,7 +61,7 @@ class BatchTotals:
     """Normalisers of a whole mini-batch, to be passed to every micro-batch's `aggregate`/`policy_loss`."""
 
     total_tokens: float  # valid tokens in the mini-batch
-    total_seqs: int  # sequences with at least one valid token
+    total_seqs: int  # sequences (rows), empty ones included, as TRL and verl count them
     max_len: int  # padded response length (Dr. GRPO's constant normaliser)
 
     @classmethod
@@ -70,7 +70,7 @@ class BatchTotals:
         valid = mask.bool()
         return cls(
             total_tokens=float(valid.sum().item()),
-            total_seqs=int(valid.any(dim=-1).sum().item()),
+            total_seqs=int(mask.shape[0]),
             max_len=int(mask.shape[-1] if max_len is None else max_len),
         )
 
@@ -92,15 +92,18 @@ def aggregate(
 ) -> Tensor:
     """Reduce per-token `values` (N, T) over valid positions of `mask` (N, T) to a scalar.
 
-    - "token-mean":              sum(values * mask) / total_tokens
-    - "seq-mean-token-mean":     sum_i mean_{valid t}(values[i, t]) / total_seqs
+    - "token-mean":              sum(values * mask) / total_tokens                 (DAPO)
+    - "seq-mean-token-mean":     sum_i mean_{valid t}(values[i, t]) / total_seqs   (GRPO, GSPO)
+    - "seq-mean-token-sum":      sum(values * mask) / total_seqs
     - "seq-mean-token-sum-norm": sum(values * mask) / (max_len * total_seqs)   (Dr. GRPO)
+    (verl's `agg_loss` names; docs/losses.md gives the sources.)
 
-    Defaults (this call's own batch): total_tokens = number of valid tokens, total_seqs = number of
-    rows with at least one valid token (so all-padding rows do not dilute the mean), both at least 1
-    so an empty batch gives 0 rather than nan; max_len = T. Pass the mini-batch totals when this is a
-    micro-batch, and the sum over micro-batches equals the full-batch value. A fully masked row always
-    contributes 0.
+    Defaults (this call's own batch): total_tokens = number of valid tokens (at least 1, so an empty
+    batch gives 0 rather than nan), total_seqs = number of rows, max_len = T. A row with no valid
+    token counts as a sequence and contributes 0, as in TRL's GRPOTrainer (`.mean()` over rows of a
+    `clamp(min=1)` per-row mean) and verl's `agg_loss` (the mean over the local batch): the
+    normaliser is the number of samples drawn, whatever their lengths. Pass the mini-batch totals
+    when this is a micro-batch, and the sum over micro-batches equals the full-batch value.
     """
     _check_choice("aggregation mode", mode, AGGREGATION_MODES)
     if values.dim() != 2 or values.shape != mask.shape:
@@ -120,10 +123,12 @@ def aggregate(
 
     tokens_per_seq = valid.sum(dim=-1)
     if total_seqs is None:
-        total_seqs = (tokens_per_seq > 0).sum().clamp(min=1).to(values.dtype)
+        total_seqs = max(values.shape[0], 1)
     if mode == "seq-mean-token-mean":
         seq_means = masked.sum(dim=-1) / tokens_per_seq.clamp(min=1).to(values.dtype)
         return seq_means.sum() / total_seqs
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / total_seqs
     if max_len is None:
         max_len = values.shape[-1]
     return masked.sum() / (max_len * total_seqs)
@@ -136,17 +141,19 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 @dataclass
 class PolicyLossConfig:
-    """How the GRPO-family loss is formed. Defaults are GRPO's; the recipes differ only here.
-
+    """How the GRPO-family loss is formed. Defaults are GRPO's (DeepSeekMath eq. 3: the per-sequence
+    token mean, then the mean over sequences; PPO's clip 0.2), except kl_coef: the paper's 0.04 needs a
+    reference model, so it is opt-in. The named algorithms' settings (torchplex.config
+    ALGORITHM_DEFAULTS, docs/losses.md):
     DAPO: clip_high=0.28, loss_agg="token-mean". Dr. GRPO: loss_agg="seq-mean-token-sum-norm".
-    GSPO: importance="sequence" with a much narrower clip range (the paper uses 3e-4 / 4e-4), and
-    loss_agg="seq-mean-token-mean" to reproduce the paper's sequence objective exactly.
+    GSPO: importance="sequence", clip 3e-4 / 4e-4, loss_agg="seq-mean-token-mean" (the paper's
+    sequence objective: each sequence weighs the same whatever its length).
     """
 
     clip_low: float = 0.2
     clip_high: float = 0.2
     importance: str = "token"
-    loss_agg: str = "token-mean"
+    loss_agg: str = "seq-mean-token-mean"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0

@@ -87,14 +87,36 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+UNIFORM_BITS = 23  # k + 0.5 for k < 2**23 needs 24 significant bits: exact in float32, so is the division
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 uniforms on the grid (k + 0.5) / 2**23, k < 2**23, from the top 23 bits.
+
+    Every value is exact, so the extremes are 2**-24 and 1 - 2**-24, strictly inside (0, 1). (The earlier 24-bit
+    version, ((bits >> 8) + 0.5) / 2**24, needed 25 significant bits: its largest value rounded to exactly 1.0,
+    whose Gumbel noise is +inf, and that token won whatever its probability, once per 2**24 vocabulary entries.)"""
+    return ((bits >> (32 - UNIFORM_BITS)).float() + 0.5) / float(1 << UNIFORM_BITS)
+
+
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(S, vocab) uniforms in (0, 1), a pure function of (seed, step, token id): a per-(seed, step) key, then one
-    finaliser over a Weyl sequence of the token ids (the construction of SplitMix), 24 bits per uniform."""
+    """(S, vocab) uniforms strictly inside (0, 1), a pure function of (seed, step, token id): a per-(seed, step)
+    key, then one finaliser over a Weyl sequence of the token ids (the construction of SplitMix)."""
     seeds, steps = seeds.long(), steps.long()
     key = _fmix32(_fmix32((seeds & _M32) ^ _fmix32((seeds >> 32) & _M32)) ^ (steps & _M32))
     token = _mul32(torch.arange(vocab, device=seeds.device), 0x9E3779B9)
-    bits = _fmix32((key[:, None] + token) & _M32)
-    return ((bits >> 8).float() + 0.5) / float(1 << 24)
+    return unit_interval(_fmix32((key[:, None] + token) & _M32))
+
+
+def gumbel_noise(uniforms: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise -log(E) of uniforms u in (0, 1), with the exponential E = -log(1 - u) taken by log1p.
+
+    1 - u is as uniform as u, and log1p stays accurate where u is tiny (E ~ u, down to 2**-24), where -log(u) of a
+    u near 1 would rest on a logarithm accurate near 1 (approximate GPU logarithms may return 0 there, giving +inf
+    noise again). For the grid of `unit_interval`, E is in [5.96e-8, 16.64], so the noise is finite and in
+    [-2.81, 16.64]: a token masked to -inf never wins, and a token more than 19.4 nats below the row's best can
+    never be drawn (its probability is below e**-19.4 ~ 3.7e-9 of the best's; the 23-bit grid cannot resolve it)."""
+    return -torch.log(-torch.log1p(-uniforms))
 
 
 # Reductions over the vocabulary run in chunks, then over the chunks: a decode step has few rows (one per sequence)
@@ -150,7 +172,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor, st
         tokens = chunked_argmax(logits)
     else:
         scores = filter_logits(logits, params.temperature, params.top_k, params.top_p)
-        gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
+        gumbel = gumbel_noise(uniform_noise(seeds, steps, logits.shape[-1]))
         tokens = chunked_argmax(scores + gumbel)
     picked = scores.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, picked - chunked_logsumexp(scores)

@@ -80,8 +80,13 @@ def request_from_outputs(prompts: list, group_size: int, samples: Sequence[int],
 
 
 def micro_batches(samples: list[int], group_size: int, micro_batch_size: int, whole_groups: bool) -> list[list[int]]:
-    """Split sample indices (prompt-major) into micro-batches; with whole_groups a group's samples are never split
-    (their prefix is shared): max(1, micro_batch_size // group_size) groups per micro-batch."""
+    """Split sample indices (prompt-major) into micro-batches of at most micro_batch_size sequences, in every mode.
+
+    whole_groups (the decomposed modes, where a group's samples share one prefix forward): micro_batch_size //
+    group_size whole groups per micro-batch, so exactly micro_batch_size sequences when it is a multiple of the group
+    size (fewer when it is not: the rest of a group never joins the next micro-batch); when micro_batch_size is
+    below the group size, each group is cut into pieces of micro_batch_size sequences, and each piece runs the
+    group's prompt prefix again (as serial scoring runs it for every sample)."""
     if not whole_groups:
         return [samples[i:i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]
     groups: list[list[int]] = []
@@ -90,7 +95,9 @@ def micro_batches(samples: list[int], group_size: int, micro_batch_size: int, wh
             groups[-1].append(s)
         else:
             groups.append([s])
-    per = max(1, micro_batch_size // group_size)
+    if micro_batch_size < group_size:
+        return [g[i:i + micro_batch_size] for g in groups for i in range(0, len(g), micro_batch_size)]
+    per = micro_batch_size // group_size
     return [[s for g in groups[i:i + per] for s in g] for i in range(0, len(groups), per)]
 
 
@@ -229,23 +236,26 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
             req = exp.request(mb)
             idx = torch.tensor(mb, device=exp.tokens.device)
             width = req.tokens.shape[1]
-            logp, entropy = scorer.score(actor, req, temperature, with_entropy=epoch == 0)
+            bonus = loss_cfg.entropy_coef != 0  # the entropy enters the loss (with its gradient) in every epoch
+            logp, entropy = scorer.score(actor, req, temperature, with_entropy=epoch == 0 or bonus)
             old = exp.old_logprobs[idx, :width]
             if epoch == 0 and live:  # on-policy: the epoch-0 forward at θk is the old policy
                 exp.old_logprobs[idx, :width] = old = logp.detach().float()
-            if epoch == 0:
-                entropies.append((entropy, req.mask if live else torch.zeros_like(req.mask)))
+            if epoch == 0:  # detached: the logged mean must not keep this micro-batch's graph alive
+                logged = None if entropy is None else entropy.detach()
+                entropies.append((logged, req.mask if live else torch.zeros_like(req.mask)))
             ref = exp.ref_logprobs[idx, :width] if exp.ref_logprobs is not None else None
             loss, stats = policy_loss(logp.float(), old, exp.advantages[idx], req.mask,
-                                      loss_cfg, ref_logprobs=ref, total_tokens=totals.total_tokens,
-                                      total_seqs=totals.total_seqs, max_len=totals.max_len)
+                                      loss_cfg, ref_logprobs=ref, entropy=entropy if bonus else None,
+                                      total_tokens=totals.total_tokens, total_seqs=totals.total_seqs,
+                                      max_len=totals.max_len)
             if not live:  # a pass that only keeps this rank in step with the others: no gradient, no statistics
                 loss = loss * 0.0
                 stats = dataclasses.replace(stats, loss=stats.loss * 0, pg_loss=stats.pg_loss * 0,
                                             num_tokens=stats.num_tokens * 0)  # no weight in any mean
             # FSDP2 averages gradients over data-parallel ranks; the loss is already normalised globally.
             scorer.backward(loss * dp_size)  # decomposed: the suffix part, then the prefix part
-            del logp, loss  # the spent graph (its nodes keep the prefix leaves) goes before the next forward
+            del logp, loss, entropy  # the spent graph (its nodes keep the prefix leaves) goes before the next forward
             epoch_stats.append(stats)
         scorer.finish_backward()  # decomposed: the batched fused prefix's part, once every slice has its gradient
         grad_norm = clip_grad_norm([p for p in actor.parameters() if p.requires_grad], grad_clip)

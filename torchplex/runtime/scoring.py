@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..data.batching import collate, encode_visuals
-from ..rl.logprobs import logprobs_from_hidden, token_entropy
+from ..rl.logprobs import entropy_from_hidden, logprobs_from_hidden
 
 
 @dataclass
@@ -71,15 +70,12 @@ class Scorer(Protocol):
 
 def response_scores(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool,
                     chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """hidden (S, R, D) where row j predicts tokens[:, j] -> log-probs (S, R) and optionally entropies."""
+    """hidden (S, R, D) where row j predicts tokens[:, j] -> log-probs (S, R) and optionally entropies, both
+    differentiable when grad is enabled (the entropy for the loss's entropy bonus)."""
     logp = logprobs_from_hidden(hidden, model.output_weight, tokens, temperature=temperature, chunk_size=chunk_size)
     entropy = None
     if with_entropy:
-        with torch.no_grad():
-            flat = hidden.detach().reshape(-1, hidden.shape[-1])
-            parts = [token_entropy(F.linear(flat[i:i + chunk_size], model.output_weight.detach()), temperature)
-                     for i in range(0, flat.shape[0], chunk_size)]
-            entropy = torch.cat(parts).view(tokens.shape)
+        entropy = entropy_from_hidden(hidden, model.output_weight, temperature, chunk_size).float()
     return logp, entropy
 
 
