@@ -224,7 +224,7 @@ def test_missing_and_malformed_files_are_named(tmp_path):
 def non_default_config() -> Config:
     """Every value type, with strings that need escaping and floats that need all their digits."""
     cfg = Config()
-    cfg.job = replace(cfg.job, name='quote " back\\slash\ttab é \x7f', description="line1\nline2", seed=-3)
+    cfg.job = replace(cfg.job, name='quote " back\\slash\ttab é \x7f', description="line1\nline2", seed=3)  # numpy refuses negative seeds
     cfg.optimizer = replace(cfg.optimizer, lr=1 / 3 * 1e-6, eps=1e-12, name="adamw8bit")
     cfg.reward = replace(cfg.reward, functions=["format", "accuracy", "length"], weights=[0.1, 1.0, -0.25])
     cfg.model = replace(cfg.model, compile=True, dtype="bfloat16")
@@ -301,3 +301,50 @@ def test_run_train_sh_launches_from_any_folder_with_overrides(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"STUB rank=0 file={user_config} steps=6" in result.stdout
+
+
+# ---- ranges of numeric keys (issue 21, defect 8) ----------------------------------------------------------------
+@pytest.mark.parametrize("key,value", [
+    ("metrics.log_interval", "0"), ("training.steps", "0"), ("rollout.max_new_tokens", "0"),
+    ("data.prompts_per_step", "0"), ("data.max_prompt_tokens", "-1"), ("optimizer.lr", "0"),
+    ("optimizer.lr", "nan"), ("optimizer.beta2", "1.0"), ("optimizer.eps", "0"), ("rollout.kv_pool_gib", "0"),
+    ("rollout.max_batch", "0"), ("training.sft_batch_size", "0"), ("training.sft_warmup_steps", "-1"),
+    ("checkpoint.interval", "0"), ("checkpoint.keep_latest_k", "-1"), ("metrics.eval_interval", "-5"),
+    ("lr_scheduler.min_lr_ratio", "1.5"), ("algorithm.kl_coef", "-0.1"), ("reward.weights", "1.0,inf"),
+    ("job.seed", "-1"), ("data.eval_prompts", "-1"), ("lr_scheduler.warmup_steps", "-1"),
+])
+def test_out_of_range_numbers_fail_at_load_naming_the_key(key, value):
+    """Defect 8: metrics.log_interval = 0 was a ZeroDivisionError after the warm-up, training.steps = 0 and
+    rollout.max_new_tokens = 0 failed later without naming the key."""
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_file(str(REPO / "train_configs" / "debug.toml"), f"--{key}={value}")
+
+
+def test_out_of_range_number_in_a_file_names_the_file(tmp_path):
+    path = write_toml(tmp_path, "[metrics]\nlog_interval = 0\n")
+    with pytest.raises(ConfigError, match=r"metrics\.log_interval = 0 must be >= 1.*cfg\.toml"):
+        load_file(path)
+
+
+# ---- --help and the start-up check (issue 21, defect 10) ---------------------------------------------------------
+def test_help_shows_the_values_of_the_config_the_run_would_use(tmp_path, capsys):
+    """Defect 10: --help printed the dataclass defaults, not those of the config file given, nor NGPU/CONFIG_FILE."""
+    path = write_toml(tmp_path, "[training]\nsteps = 123\n")
+    with pytest.raises(SystemExit) as done:
+        load_config(["--job.config_file", path, "--optimizer.lr=0.5", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "NGPU" in out and "CONFIG_FILE" in out
+    steps = next(line for line in out.splitlines() if "--training.steps " in line)
+    lr = next(line for line in out.splitlines() if "--optimizer.lr " in line)
+    assert steps.rstrip().endswith("123") and lr.rstrip().endswith("0.5")
+    assert f"{path} + command line" in out
+
+
+def test_config_check_module_prints_one_line_and_exits_2(tmp_path, capsys):
+    from torchplex.config import main
+
+    assert main(["--job.config_file", str(REPO / "train_configs" / "debug.toml")]) == 0
+    assert main(["--job.config_file", str(REPO / "train_configs" / "debug.toml"), "--training.stepz=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "training.stepz" in err and "did you mean training.steps" in err
