@@ -8,7 +8,7 @@
 #   NGPU          processes per node (default 1)
 #   NNODES        nodes (default 1); for NNODES > 1 also set RDZV_ENDPOINT=<host of node 0>:<port>
 #   CONFIG_FILE   TOML config; a path relative to where you call from, or to this folder (default debug.toml)
-#   LOG_RANK      local ranks whose output is shown, comma separated (default 0); all ranks log to files
+#   LOG_RANK      local ranks whose output is shown, comma separated (default 0)
 #   PYTHON        interpreter; default: this repo's .venv/bin/python when it exists and no venv is
 #                 active, else `python` on PATH (so an activated venv or conda env always wins)
 #   TRAIN_MODULE  module to run (default torchplex.train; tests swap in a stub)
@@ -45,9 +45,24 @@ if [[ -z "${PYTHON:-}" ]]; then
     fi
 fi
 
-# `python -m torch.distributed.run` is `torchrun`, bound to the interpreter chosen above.
+# The config is checked before any process starts: a mistake prints its one line (exit 2), not torchrun's
+# banner; --help prints every key with the values this config gives.
+"${PYTHON}" -m torchplex.config --job.config_file "${CONFIG_FILE}" "$@" || exit $?
+for arg in "$@"; do
+    if [[ "${arg}" == "--help" || "${arg}" == "-h" ]]; then exit 0; fi
+done
+export LOG_RANK
+
+# One process: run it directly (the trainer needs no process group), so its output is the terminal's (a
+# progress bar redraws in place), Ctrl-C reaches it, and an error is its message without torchrun's report.
+if [[ "${NGPU}" == "1" && "${NNODES}" == "1" ]]; then
+    exec "${PYTHON}" -m "${TRAIN_MODULE}" --job.config_file "${CONFIG_FILE}" "$@"
+fi
+
+# `python -m torch.distributed.run` is `torchrun`, bound to the interpreter chosen above. No --tee: the ranks
+# shown write to this terminal themselves (no `[rank0]:` prefix on every line, and a bar stays one line).
 exec "${PYTHON}" -m torch.distributed.run \
     --nproc_per_node="${NGPU}" --nnodes="${NNODES}" \
     --rdzv_backend c10d --rdzv_endpoint="${RDZV_ENDPOINT}" \
-    --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
+    --local-ranks-filter "${LOG_RANK}" \
     -m "${TRAIN_MODULE}" --job.config_file "${CONFIG_FILE}" "$@"

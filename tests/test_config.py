@@ -293,7 +293,7 @@ def test_run_train_sh_launches_from_any_folder_with_overrides(tmp_path):
     (tmp_path / "stub_train.py").write_text(
         "import os\nfrom torchplex.config import load_config\n"
         "cfg = load_config()\n"
-        "print(f'STUB rank={os.environ[\"RANK\"]} file={cfg.job.config_file} steps={cfg.training.steps}')\n")
+        "print(f'STUB rank={os.environ.get(\"RANK\", \"0\")} file={cfg.job.config_file} steps={cfg.training.steps}')\n")
     user_config = write_toml(tmp_path, "[training]\nsteps = 4\n", "mine.toml")
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "TRAIN_MODULE": "stub_train", "NGPU": "1",
            "PYTHON": sys.executable, "CONFIG_FILE": "mine.toml"}  # relative to the caller's folder

@@ -77,3 +77,13 @@ class SkipTally:
         for key, value in state.items():
             if key in self.counts:
                 self.counts[key] = int(value)
+
+
+class DataError(RuntimeError):
+    """The data cannot feed the run (no valid record, or a step with no valid sample); the message names the file
+    and the skip counts."""
+
+
+def skip_counts_text(counts: dict[str, float]) -> str:
+    shown = [f"{key.removeprefix('skipped/')} {int(n)}" for key, n in sorted(counts.items()) if n]
+    return ", ".join(shown) or "none"
