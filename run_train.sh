@@ -34,7 +34,9 @@ if [[ -n "${CONFIG_FILE:-}" && -f "${CONFIG_FILE}" ]]; then
 fi
 CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug.toml}
 
-# Run from the repo root: `-m torchplex.train` and the configs' relative paths (outputs/, runs/) resolve here.
+# Run from the repo root (so `-m torchplex.train` imports without an install); relative paths given on the command
+# line still mean the caller's folder (torchplex/config.py reads it here), a TOML's paths its own folder.
+export TORCHPLEX_CALLER_DIR="${TORCHPLEX_CALLER_DIR:-${PWD}}"
 cd "${SCRIPT_DIR}"
 
 if [[ -z "${PYTHON:-}" ]]; then

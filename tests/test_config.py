@@ -224,7 +224,8 @@ def test_missing_and_malformed_files_are_named(tmp_path):
 def non_default_config() -> Config:
     """Every value type, with strings that need escaping and floats that need all their digits."""
     cfg = Config()
-    cfg.job = replace(cfg.job, name='quote " back\\slash\ttab é \x7f', description="line1\nline2", seed=3)  # numpy refuses negative seeds
+    # seed: numpy refuses negative seeds (job.seed is range-checked)
+    cfg.job = replace(cfg.job, name='quote " back\\slash\ttab é \x7f', description="line1\nline2", seed=3)
     cfg.optimizer = replace(cfg.optimizer, lr=1 / 3 * 1e-6, eps=1e-12, name="adamw8bit")
     cfg.reward = replace(cfg.reward, functions=["format", "accuracy", "length"], weights=[0.1, 1.0, -0.25])
     cfg.model = replace(cfg.model, compile=True, dtype="bfloat16")
@@ -236,7 +237,10 @@ def test_save_then_load_gives_the_same_config(tmp_path):
     cfg = non_default_config()
     path = cfg.save(tmp_path / "run" / "config.toml")
     loaded = load_file(str(path))
-    assert loaded == replace(cfg, job=replace(cfg.job, config_file=str(path)))  # load records where it read
+    # load records where it read; paths are saved absolute (a relative one meant the working folder)
+    absolute = replace(cfg, job=replace(cfg.job, config_file=str(path), output_dir=os.path.abspath(cfg.job.output_dir)),
+                       data=replace(cfg.data, synthetic_dir=os.path.abspath(cfg.data.synthetic_dir)))
+    assert loaded == absolute
 
 
 def test_saved_empty_list_round_trips(tmp_path):
@@ -284,7 +288,8 @@ def test_every_train_config_loads_with_a_known_flavor(path):
 def test_debug_config_is_the_cpu_tiny_run():
     cfg = load_file(str(REPO / "train_configs" / "debug.toml"))
     assert (cfg.model.flavor, cfg.model.dtype, cfg.model.hf_checkpoint) == ("debug", "float32",
-                                                                            "outputs/tiny-qwen2_5_vl")
+                                                                            str(REPO / "outputs/tiny-qwen2_5_vl"))
+    assert cfg.job.run_dir == REPO / "runs" / "debug"
 
 
 @pytest.mark.slow
@@ -348,3 +353,29 @@ def test_config_check_module_prints_one_line_and_exits_2(tmp_path, capsys):
     assert main(["--job.config_file", str(REPO / "train_configs" / "debug.toml"), "--training.stepz=3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "training.stepz" in err and "did you mean training.steps" in err
+
+
+# ---- relative paths (issue 21, defect 6) -------------------------------------------------------------------------
+def test_relative_paths_mean_the_toml_folder_in_a_file_and_the_callers_folder_on_the_command_line(tmp_path,
+                                                                                                   monkeypatch):
+    """Defect 6: relative command-line paths resolved against the repo root (run_train.sh's folder), not the
+    caller's; the config file's own path did. Now a TOML's paths are relative to the TOML, the command line's to
+    the caller's folder (TORCHPLEX_CALLER_DIR, set by run_train.sh, else the working folder)."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    path = write_toml(conf, '[data]\ntrain_file = "data/train.jsonl"\n[job]\noutput_dir = "../runs"\n')
+    caller = tmp_path / "me"
+    caller.mkdir()
+    monkeypatch.setenv("TORCHPLEX_CALLER_DIR", str(caller))
+    cfg = load_config(["--job.config_file", path, "--data.eval_file", "e.jsonl", "--model.hf_checkpoint=~/ckpt"])
+    assert cfg.data.train_file == str(conf / "data" / "train.jsonl")
+    assert cfg.job.output_dir == str(tmp_path / "runs")
+    assert cfg.data.eval_file == str(caller / "e.jsonl")
+    assert cfg.model.hf_checkpoint == str(Path("~/ckpt").expanduser())
+    assert cfg.data.synthetic_dir == "outputs/synthetic"  # a default is left as it is
+    again = load_config(["--job.config_file", path, f"--job.output_dir={tmp_path / 'abs'}"])
+    assert again.job.output_dir == str(tmp_path / "abs")
+    monkeypatch.chdir(conf)
+    monkeypatch.delenv("TORCHPLEX_CALLER_DIR")
+    relative = load_config(["--job.config_file", "cfg.toml"])  # the config file itself: the caller's folder too
+    assert relative.job.config_file == path and relative.data.train_file == str(conf / "data" / "train.jsonl")

@@ -14,6 +14,7 @@ import difflib
 import functools
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -203,10 +204,16 @@ class Config:
         return cfg
 
     def save(self, path: str | Path) -> Path:
-        """Write the resolved config as TOML (loadable with `--job.config_file path`)."""
+        """Write the resolved config as TOML (loadable with `--job.config_file path`). Paths are written absolute
+        (a relative one left is relative to the working folder), since a TOML's relative paths mean its folder."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("# resolved torchplex config\n" + to_toml(self.to_dict()))
+        data = self.to_dict()
+        for key in PATH_KEYS:
+            section, name = key.split(".")
+            if data[section][name]:
+                data[section][name] = _absolute(data[section][name], Path.cwd())
+        path.write_text("# resolved torchplex config\n" + to_toml(data))
         return path
 
 
@@ -454,20 +461,53 @@ def _origin_of(argv: list[str]) -> str:
     return origin
 
 
+# Keys naming a file or folder. A relative value is relative to the TOML's folder when the file sets it, and to the
+# folder the command was run from when the command line sets it (a default is left as it is); run_train.sh, which moves to the
+# repo root, passes that folder as TORCHPLEX_CALLER_DIR. The config then holds absolute paths, so errors name them.
+PATH_KEYS = ("job.output_dir", "model.hf_checkpoint", "data.train_file", "data.eval_file", "data.synthetic_dir")
+
+
+def caller_dir() -> Path:
+    return Path(os.environ.get("TORCHPLEX_CALLER_DIR") or os.getcwd())
+
+
+def _absolute(value: str, base: Path) -> str:
+    path = Path(value).expanduser()
+    return os.path.normpath(path if path.is_absolute() else base / path)
+
+
+def _resolve_paths(cfg: Config, bases: dict[str, Path]) -> None:
+    """Make the path keys that were set absolute (`bases`: key -> folder it is relative to); defaults are left."""
+    for key, base in bases.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if key in PATH_KEYS and value:
+            setattr(getattr(cfg, section), name, _absolute(value, base))
+
+
 def _load(argv: list[str]) -> Config:
     overrides = _split_argv(argv)
     cfg, origin = Config(), COMMAND_LINE
+    bases: dict[str, Path] = {}
     config_files = [text for section, key, text in overrides if (section, key) == ("job", "config_file")]
     if config_files and config_files[-1]:
-        origin = config_files[-1]
-        _apply_tables(cfg, load_toml(origin), origin)
+        origin = _absolute(config_files[-1], caller_dir())
+        tables = load_toml(origin)
+        _apply_tables(cfg, tables, origin)
+        cfg.job.config_file = origin
+        bases = {f"{section}.{key}": Path(origin).parent for section, table in tables.items()
+                 if isinstance(table, dict) for key in table}
     for section, key, text in overrides:
+        bases[f"{section}.{key}"] = caller_dir()  # set on the command line: relative to the caller's folder
         if text is None:  # a bare flag switches a boolean on
             annotation = _annotation(section, key, COMMAND_LINE)
             if annotation is not bool:
                 raise ConfigError(f"--{section}.{key} on the {COMMAND_LINE} needs a value ({_type_name(annotation)})")
             text = "true"
+        if (section, key) == ("job", "config_file"):
+            continue  # read above
         _set(cfg, section, key, text, COMMAND_LINE, from_text=True)
+    _resolve_paths(cfg, bases)
     _check_values(cfg, origin if origin == COMMAND_LINE else f"{origin} + {COMMAND_LINE}")
     return cfg
 

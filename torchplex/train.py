@@ -198,6 +198,9 @@ class Trainer:
         d = self.cfg.data
         if d.train_file:
             train_path, eval_path = Path(d.train_file), Path(d.eval_file) if d.eval_file else None
+            for key, path in (("data.train_file", train_path), ("data.eval_file", eval_path)):
+                if path is not None and not path.is_file():
+                    raise FileNotFoundError(f"{key} = {str(path)!r}: no such file")
         else:
             if self.rank == 0:
                 generate_synthetic_task(d.synthetic_dir, d.synthetic_train, d.synthetic_eval, seed=self.cfg.job.seed,
