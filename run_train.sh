@@ -31,8 +31,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # `CONFIG_FILE=my.toml ./path/to/run_train.sh` and the repo-relative default work from anywhere.
 if [[ -n "${CONFIG_FILE:-}" && -f "${CONFIG_FILE}" ]]; then
     CONFIG_FILE="$(cd "$(dirname "${CONFIG_FILE}")" && pwd)/$(basename "${CONFIG_FILE}")"
+elif [[ -n "${CONFIG_FILE:-}" && "${CONFIG_FILE}" != /* ]]; then
+    CONFIG_FILE="${SCRIPT_DIR}/${CONFIG_FILE}"  # the repo-relative form (train_configs/x.toml) from anywhere
 fi
-CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug.toml}
+CONFIG_FILE=${CONFIG_FILE:-${SCRIPT_DIR}/train_configs/debug.toml}
 
 # Run from the repo root (so `-m torchplex.train` imports without an install); relative paths given on the command
 # line still mean the caller's folder (torchplex/config.py reads it here), a TOML's paths its own folder.

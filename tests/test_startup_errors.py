@@ -119,3 +119,32 @@ def test_run_train_sh_config_error_is_its_message_only(tmp_path):
     helped = subprocess.run([str(REPO / "run_train.sh"), "--help"], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=120)
     assert helped.returncode == 0 and "NGPU" in helped.stdout and "debug.toml" in helped.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_says_how_to_resume(tmp_path, tiny_ckpt):
+    """Defect 9: Ctrl-C printed ~80 lines of tracebacks and saved nothing. The first SIGINT finishes the step,
+    writes a checkpoint, prints the summary and exits 0; the same command then resumes from that step."""
+    import signal
+
+    argv = [sys.executable, "-m", "torchplex.train", f"--job.config_file={REPO / 'train_configs' / 'debug.toml'}",
+            f"--job.output_dir={tmp_path}", "--job.name=interrupted", f"--model.hf_checkpoint={tiny_ckpt}",
+            f"--data.synthetic_dir={tmp_path / 'synthetic'}", "--data.synthetic_train=32", "--data.synthetic_eval=4",
+            "--data.prompts_per_step=2", "--rollout.max_new_tokens=4", "--training.steps=200",
+            "--training.sft_warmup_steps=0", "--metrics.eval_interval=0", "--metrics.log_interval=1",
+            "--metrics.tensorboard=false", "--checkpoint.enable=true", "--checkpoint.interval=1000"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step 2/200" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output
+    assert "Traceback" not in output
+    stopped = int(output.split("stopped at step ")[1].split()[0])
+    assert (tmp_path / "interrupted" / "checkpoints" / f"step-{stopped}").is_dir()
+    assert "resumes from" in output and "checkpoint: " in output.rstrip().splitlines()[-1]

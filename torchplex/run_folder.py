@@ -45,8 +45,8 @@ def check_run_folder(run_dir: Path, checkpoint_dir: Path, overwrite: bool, resum
         return "overwrite"
     raise RunFolderError(
         f"the run folder {run_dir} (job.output_dir/job.name) holds an earlier run and no checkpoint of it is "
-        f"resumed; pass --job.name=<new name> for a new folder, --job.overwrite=true to replace it, or enable "
-        f"checkpoints (--checkpoint.enable=true) to continue a run")
+        f"resumed; pass --job.name=<new name> for a new folder or --job.overwrite=true to replace it (a run that "
+        f"saved checkpoints continues with --checkpoint.enable=true)")
 
 
 def clear_run_folder(run_dir: Path, checkpoint_dir: Path) -> list[str]:

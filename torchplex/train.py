@@ -59,8 +59,11 @@ def ensure_tiny_checkpoint(path: Path, flavor: str, seed: int) -> None:
     repo = Path(__file__).resolve().parents[1]
     if str(repo) not in sys.path:
         sys.path.insert(0, str(repo))
+    from transformers.utils import logging as hf_logging
+
     from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
+    hf_logging.disable_progress_bar()  # its one-file "Writing model shards" bar says nothing
     log.info("no checkpoint at %s: writing a tiny random %s checkpoint", path, flavor)
     make_tiny_checkpoint(path, size=flavor, seed=seed)
 
