@@ -148,3 +148,48 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_says_how_to_resume(tm
     stopped = int(output.split("stopped at step ")[1].split()[0])
     assert (tmp_path / "interrupted" / "checkpoints" / f"step-{stopped}").is_dir()
     assert "resumes from" in output and "checkpoint: " in output.rstrip().splitlines()[-1]
+
+
+def _trainer_args(tmp_path: Path, tiny_ckpt: Path, records: Path, name: str) -> list[str]:
+    return [f"--job.config_file={REPO / 'train_configs' / 'debug.toml'}", f"--job.output_dir={tmp_path}",
+            f"--job.name={name}", f"--model.hf_checkpoint={tiny_ckpt}", f"--data.train_file={records}",
+            "--data.prompts_per_step=2", "--rollout.max_new_tokens=4", "--training.steps=2",
+            "--training.sft_warmup_steps=0", "--metrics.eval_interval=0", "--metrics.tensorboard=false"]
+
+
+def test_a_dataset_of_bad_records_fails_naming_the_file_and_the_skips(tmp_path, tiny_ckpt):
+    """Defect 4: a dataset in which every record is bad "succeeded" (exit 0, nothing trained)."""
+    from torchplex.config import load_config
+    from torchplex.data.skips import DataError
+    from torchplex.train import Trainer
+
+    malformed = tmp_path / "malformed.jsonl"
+    malformed.write_text('{"prompt": "p"}\nnot json\n{"answer": "1"}\n')
+    with pytest.raises(DataError, match=r"malformed\.jsonl: 0 valid records.*train/malformed 3"):
+        Trainer(load_config(_trainer_args(tmp_path, tiny_ckpt, malformed, "malformed")))
+
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text("".join(f'{{"id": "m{i}", "prompt": "p", "answer": "1", "image": "gone{i}.png"}}\n'
+                               for i in range(4)))
+    trainer = Trainer(load_config(_trainer_args(tmp_path, tiny_ckpt, missing, "missing")))
+    with pytest.raises(DataError, match=r"train step has no valid sample.*missing\.jsonl.*train/media 2"):
+        trainer.train()
+
+
+def test_trainer_refuses_a_used_run_folder_and_overwrites_it_when_told(tmp_path, tiny_ckpt):
+    """Defect 2 at the trainer: a second run into the same folder appended its steps to the first's."""
+    from torchplex.config import load_config
+    from torchplex.train import Trainer
+
+    records = tmp_path / "train.jsonl"
+    records.write_text("".join(f'{{"id": "t{i}", "prompt": "p", "answer": "1"}}\n' for i in range(4)))
+    run = tmp_path / "used"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    args = _trainer_args(tmp_path, tiny_ckpt, records, "used")
+    with pytest.raises(RunFolderError, match="holds an earlier run"):
+        Trainer(load_config(args + ["--job.overwrite=false"]))
+    assert (run / "metrics.jsonl").read_text() and not (run / "config.toml").exists()
+    Trainer(load_config(args + ["--job.overwrite=true"]))
+    assert not (run / "metrics.jsonl").exists() or (run / "metrics.jsonl").read_text() == ""
+    assert (run / "config.toml").is_file()

@@ -22,6 +22,7 @@ PHASES = ("warmup", "train", "eval")
 # media: a file missing or undecodable; too_long: over data.max_prompt_tokens; preprocess: the processor (or any
 # other step) raised on inputs it could read; malformed: a records line that is not a valid record.
 REASONS = ("media", "too_long", "preprocess", "malformed")
+_SHOWN_LINES = 20  # malformed lines of one file warned about one by one; the rest are counted
 
 
 def guard_record(record_id: str, source: str, fn: Callable[..., T], *args, **kwargs) -> T:
@@ -55,8 +56,10 @@ class SkipTally:
     def add_lines(self, phase: str, path: str, skipped: list) -> None:
         """Malformed lines of a records file (`records.SkippedLine`): counted, and each one's reason shown."""
         self.counts[f"{phase}/malformed"] += len(skipped)
-        for line in skipped:
+        for line in skipped[:_SHOWN_LINES]:
             log.warning("%s:%d: skipped malformed line: %s", path, line.line_no, line.reason)
+        if len(skipped) > _SHOWN_LINES:
+            log.warning("%s: ... and %d more malformed lines", path, len(skipped) - _SHOWN_LINES)
 
     def total(self, phase: str | None = None) -> int:
         return sum(n for key, n in self.counts.items() if phase is None or key.startswith(phase + "/"))
