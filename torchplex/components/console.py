@@ -21,9 +21,10 @@ log = logging.getLogger("torchplex")
 def setup_logging(rank: int) -> None:
     """INFO on the ranks listed in LOG_RANK (run_train.sh's variable, default "0"), warnings only on the others;
     ranks other than 0 say who they are."""
-    shown = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip().lstrip("-").isdigit()}
+    shown = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip().isdigit()}
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # LOG_RANK counts ranks of this node, as torchrun does
     prefix = f"[rank {rank}] " if rank != 0 else ""
-    logging.basicConfig(level=logging.INFO if rank in shown else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if local_rank in shown else logging.WARNING,
                         format=f"[%(asctime)s] {prefix}%(message)s", datefmt="%H:%M:%S", force=True)
 
 
