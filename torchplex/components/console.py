@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,15 +48,17 @@ def quiet_third_party_imports() -> None:
 
 # ---- Ctrl-C -------------------------------------------------------------------------------------------------------
 class StopRequest:
-    """The first Ctrl-C (SIGINT) or SIGTERM asks the loop to stop after the current step (so a checkpoint can be
-    written); a second Ctrl-C stops at once."""
+    """The first Ctrl-C (SIGINT) asks the loop to stop after the current step (so a checkpoint can be written); a
+    second Ctrl-C stops at once."""
 
     def __init__(self) -> None:
         self.requested = False
         self._previous = None
 
     def install(self) -> "StopRequest":
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # only where nobody else handles it
+        # Only in the main thread (signal handlers can be set nowhere else) and where nobody else handles SIGINT
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
