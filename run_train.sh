@@ -8,7 +8,7 @@
 #   NGPU          processes per node (default 1)
 #   NNODES        nodes (default 1); for NNODES > 1 also set RDZV_ENDPOINT=<host of node 0>:<port>
 #   CONFIG_FILE   TOML config; a path relative to where you call from, or to this folder (default debug.toml)
-#   LOG_RANK      local ranks whose output is shown, comma separated (default 0); all ranks log to files
+#   LOG_RANK      local ranks whose output is shown, comma separated (default 0)
 #   PYTHON        interpreter; default: this repo's .venv/bin/python when it exists and no venv is
 #                 active, else `python` on PATH (so an activated venv or conda env always wins)
 #   TRAIN_MODULE  module to run (default torchplex.train; tests swap in a stub)
@@ -31,10 +31,14 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # `CONFIG_FILE=my.toml ./path/to/run_train.sh` and the repo-relative default work from anywhere.
 if [[ -n "${CONFIG_FILE:-}" && -f "${CONFIG_FILE}" ]]; then
     CONFIG_FILE="$(cd "$(dirname "${CONFIG_FILE}")" && pwd)/$(basename "${CONFIG_FILE}")"
+elif [[ -n "${CONFIG_FILE:-}" && "${CONFIG_FILE}" != /* ]]; then
+    CONFIG_FILE="${SCRIPT_DIR}/${CONFIG_FILE}"  # the repo-relative form (train_configs/x.toml) from anywhere
 fi
-CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug.toml}
+CONFIG_FILE=${CONFIG_FILE:-${SCRIPT_DIR}/train_configs/debug.toml}
 
-# Run from the repo root: `-m torchplex.train` and the configs' relative paths (outputs/, runs/) resolve here.
+# Run from the repo root (so `-m torchplex.train` imports without an install); relative paths given on the command
+# line still mean the caller's folder (torchplex/config.py reads it here), a TOML's paths its own folder.
+export TORCHPLEX_CALLER_DIR="${TORCHPLEX_CALLER_DIR:-${PWD}}"
 cd "${SCRIPT_DIR}"
 
 if [[ -z "${PYTHON:-}" ]]; then
@@ -45,9 +49,24 @@ if [[ -z "${PYTHON:-}" ]]; then
     fi
 fi
 
-# `python -m torch.distributed.run` is `torchrun`, bound to the interpreter chosen above.
+# The config is checked before any process starts: a mistake prints its one line (exit 2), not torchrun's
+# banner; --help prints every key with the values this config gives.
+"${PYTHON}" -m torchplex.config --job.config_file "${CONFIG_FILE}" "$@" || exit $?
+for arg in "$@"; do
+    if [[ "${arg}" == "--help" || "${arg}" == "-h" ]]; then exit 0; fi
+done
+export LOG_RANK
+
+# One process: run it directly (the trainer needs no process group), so its output is the terminal's (a
+# progress bar redraws in place), Ctrl-C reaches it, and an error is its message without torchrun's report.
+if [[ "${NGPU}" == "1" && "${NNODES}" == "1" ]]; then
+    exec "${PYTHON}" -m "${TRAIN_MODULE}" --job.config_file "${CONFIG_FILE}" "$@"
+fi
+
+# `python -m torch.distributed.run` is `torchrun`, bound to the interpreter chosen above. No --tee: the ranks
+# shown write to this terminal themselves (no `[rank0]:` prefix on every line, and a bar stays one line).
 exec "${PYTHON}" -m torch.distributed.run \
     --nproc_per_node="${NGPU}" --nnodes="${NNODES}" \
     --rdzv_backend c10d --rdzv_endpoint="${RDZV_ENDPOINT}" \
-    --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
+    --local-ranks-filter "${LOG_RANK}" \
     -m "${TRAIN_MODULE}" --job.config_file "${CONFIG_FILE}" "$@"

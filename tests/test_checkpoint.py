@@ -334,3 +334,27 @@ def test_fsdp2_checkpoint_round_trip_on_two_gloo_ranks(tmp_path):
         result = torch.load(tmp_path / f"result_rank{rank}.pt", weights_only=True)
         assert result["step"] == 2 and result["extra"] == {"rank": rank}
         _assert_same_tensors(result["resumed"], result["expected"])
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before_naming_it(tmp_path):
+    """Issue 21, defect 7: a truncated `.distcp` failed the resume with no step named and no fallback."""
+    model, optimizer, scheduler = _build(seed=0)
+    manager = CheckpointManager(tmp_path, interval=1, keep_latest_k=0)
+    _train_step(model, optimizer, scheduler)
+    manager.save(1, model, optimizer, scheduler, extra={"at": 1})
+    weights_at_1 = _params(model)
+    _train_step(model, optimizer, scheduler)
+    manager.save(2, model, optimizer, scheduler, extra={"at": 2})
+    for shard in manager.step_dir(2).glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:40])  # truncated mid-write
+
+    fresh, fresh_optimizer, fresh_scheduler = _build(seed=7)
+    step, extra, failed = manager.load_newest(fresh, fresh_optimizer, fresh_scheduler)
+    assert (step, extra) == (1, {"at": 1})
+    assert [s for s, _ in failed] == [2] and str(manager.step_dir(2)) in failed[0][1]
+    _assert_same_tensors(_params(fresh), weights_at_1)
+
+    for shard in manager.step_dir(1).glob("*.distcp"):
+        shard.write_bytes(b"")
+    with pytest.raises(RuntimeError, match=r"step 2: .*step-2.*\n.*step 1: .*step-1"):
+        manager.load_newest(fresh, fresh_optimizer, fresh_scheduler)

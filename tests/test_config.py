@@ -224,7 +224,8 @@ def test_missing_and_malformed_files_are_named(tmp_path):
 def non_default_config() -> Config:
     """Every value type, with strings that need escaping and floats that need all their digits."""
     cfg = Config()
-    cfg.job = replace(cfg.job, name='quote " back\\slash\ttab é \x7f', description="line1\nline2", seed=-3)
+    # seed: numpy refuses negative seeds (job.seed is range-checked)
+    cfg.job = replace(cfg.job, name='quote " back\\slash\ttab é \x7f', description="line1\nline2", seed=3)
     cfg.optimizer = replace(cfg.optimizer, lr=1 / 3 * 1e-6, eps=1e-12, name="adamw8bit")
     cfg.reward = replace(cfg.reward, functions=["format", "accuracy", "length"], weights=[0.1, 1.0, -0.25])
     cfg.model = replace(cfg.model, compile=True, dtype="bfloat16")
@@ -236,7 +237,10 @@ def test_save_then_load_gives_the_same_config(tmp_path):
     cfg = non_default_config()
     path = cfg.save(tmp_path / "run" / "config.toml")
     loaded = load_file(str(path))
-    assert loaded == replace(cfg, job=replace(cfg.job, config_file=str(path)))  # load records where it read
+    # load records where it read; paths are saved absolute (a relative one meant the working folder)
+    absolute = replace(cfg, job=replace(cfg.job, config_file=str(path), output_dir=os.path.abspath(cfg.job.output_dir)),
+                       data=replace(cfg.data, synthetic_dir=os.path.abspath(cfg.data.synthetic_dir)))
+    assert loaded == absolute
 
 
 def test_saved_empty_list_round_trips(tmp_path):
@@ -284,7 +288,8 @@ def test_every_train_config_loads_with_a_known_flavor(path):
 def test_debug_config_is_the_cpu_tiny_run():
     cfg = load_file(str(REPO / "train_configs" / "debug.toml"))
     assert (cfg.model.flavor, cfg.model.dtype, cfg.model.hf_checkpoint) == ("debug", "float32",
-                                                                            "outputs/tiny-qwen2_5_vl")
+                                                                            str(REPO / "outputs/tiny-qwen2_5_vl"))
+    assert cfg.job.run_dir == REPO / "runs" / "debug"
 
 
 @pytest.mark.slow
@@ -293,7 +298,7 @@ def test_run_train_sh_launches_from_any_folder_with_overrides(tmp_path):
     (tmp_path / "stub_train.py").write_text(
         "import os\nfrom torchplex.config import load_config\n"
         "cfg = load_config()\n"
-        "print(f'STUB rank={os.environ[\"RANK\"]} file={cfg.job.config_file} steps={cfg.training.steps}')\n")
+        "print(f'STUB rank={os.environ.get(\"RANK\", \"0\")} file={cfg.job.config_file} steps={cfg.training.steps}')\n")
     user_config = write_toml(tmp_path, "[training]\nsteps = 4\n", "mine.toml")
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "TRAIN_MODULE": "stub_train", "NGPU": "1",
            "PYTHON": sys.executable, "CONFIG_FILE": "mine.toml"}  # relative to the caller's folder
@@ -343,3 +348,76 @@ def test_named_algorithms_get_their_papers_loss_defaults(tmp_path):
         assert settings(Config.from_dict({"algorithm": {"name": name}})) == want
         saved = load_file(str(cfg.save(tmp_path / f"{name}.toml")))  # every key is written, so all are given
         assert saved.to_dict()["algorithm"] == cfg.to_dict()["algorithm"]
+
+
+# ---- ranges of numeric keys (issue 21, defect 8) ----------------------------------------------------------------
+@pytest.mark.parametrize("key,value", [
+    ("metrics.log_interval", "0"), ("training.steps", "0"), ("rollout.max_new_tokens", "0"),
+    ("data.prompts_per_step", "0"), ("data.max_prompt_tokens", "-1"), ("optimizer.lr", "0"),
+    ("optimizer.lr", "nan"), ("optimizer.beta2", "1.0"), ("optimizer.eps", "0"), ("rollout.kv_pool_gib", "0"),
+    ("rollout.max_batch", "0"), ("training.sft_batch_size", "0"), ("training.sft_warmup_steps", "-1"),
+    ("checkpoint.interval", "0"), ("checkpoint.keep_latest_k", "-1"), ("metrics.eval_interval", "-5"),
+    ("lr_scheduler.min_lr_ratio", "1.5"), ("algorithm.kl_coef", "-0.1"), ("reward.weights", "1.0,inf"),
+    ("job.seed", "-1"), ("data.eval_prompts", "-1"), ("lr_scheduler.warmup_steps", "-1"),
+])
+def test_out_of_range_numbers_fail_at_load_naming_the_key(key, value):
+    """Defect 8: metrics.log_interval = 0 was a ZeroDivisionError after the warm-up, training.steps = 0 and
+    rollout.max_new_tokens = 0 failed later without naming the key."""
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_file(str(REPO / "train_configs" / "debug.toml"), f"--{key}={value}")
+
+
+def test_out_of_range_number_in_a_file_names_the_file(tmp_path):
+    path = write_toml(tmp_path, "[metrics]\nlog_interval = 0\n")
+    with pytest.raises(ConfigError, match=r"metrics\.log_interval = 0 must be >= 1.*cfg\.toml"):
+        load_file(path)
+
+
+# ---- --help and the start-up check (issue 21, defect 10) ---------------------------------------------------------
+def test_help_shows_the_values_of_the_config_the_run_would_use(tmp_path, capsys):
+    """Defect 10: --help printed the dataclass defaults, not those of the config file given, nor NGPU/CONFIG_FILE."""
+    path = write_toml(tmp_path, "[training]\nsteps = 123\n")
+    with pytest.raises(SystemExit) as done:
+        load_config(["--job.config_file", path, "--optimizer.lr=0.5", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "NGPU" in out and "CONFIG_FILE" in out
+    steps = next(line for line in out.splitlines() if "--training.steps " in line)
+    lr = next(line for line in out.splitlines() if "--optimizer.lr " in line)
+    assert steps.rstrip().endswith("123") and lr.rstrip().endswith("0.5")
+    assert f"{path} + command line" in out
+
+
+def test_config_check_module_prints_one_line_and_exits_2(tmp_path, capsys):
+    from torchplex.config import main
+
+    assert main(["--job.config_file", str(REPO / "train_configs" / "debug.toml")]) == 0
+    assert main(["--job.config_file", str(REPO / "train_configs" / "debug.toml"), "--training.stepz=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "training.stepz" in err and "did you mean training.steps" in err
+
+
+# ---- relative paths (issue 21, defect 6) -------------------------------------------------------------------------
+def test_relative_paths_mean_the_toml_folder_in_a_file_and_the_callers_folder_on_the_command_line(tmp_path,
+                                                                                                   monkeypatch):
+    """Defect 6: relative command-line paths resolved against the repo root (run_train.sh's folder), not the
+    caller's; the config file's own path did. Now a TOML's paths are relative to the TOML, the command line's to
+    the caller's folder (TORCHPLEX_CALLER_DIR, set by run_train.sh, else the working folder)."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    path = write_toml(conf, '[data]\ntrain_file = "data/train.jsonl"\n[job]\noutput_dir = "../runs"\n')
+    caller = tmp_path / "me"
+    caller.mkdir()
+    monkeypatch.setenv("TORCHPLEX_CALLER_DIR", str(caller))
+    cfg = load_config(["--job.config_file", path, "--data.eval_file", "e.jsonl", "--model.hf_checkpoint=~/ckpt"])
+    assert cfg.data.train_file == str(conf / "data" / "train.jsonl")
+    assert cfg.job.output_dir == str(tmp_path / "runs")
+    assert cfg.data.eval_file == str(caller / "e.jsonl")
+    assert cfg.model.hf_checkpoint == str(Path("~/ckpt").expanduser())
+    assert cfg.data.synthetic_dir == "outputs/synthetic"  # a default is left as it is
+    again = load_config(["--job.config_file", path, f"--job.output_dir={tmp_path / 'abs'}"])
+    assert again.job.output_dir == str(tmp_path / "abs")
+    monkeypatch.chdir(conf)
+    monkeypatch.delenv("TORCHPLEX_CALLER_DIR")
+    relative = load_config(["--job.config_file", "cfg.toml"])  # the config file itself: the caller's folder too
+    assert relative.job.config_file == path and relative.data.train_file == str(conf / "data" / "train.jsonl")

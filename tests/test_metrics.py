@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -139,8 +141,13 @@ def test_step_line_shows_non_finite_values():
     assert format_step_line(2, 4, {"grad_norm": float("nan")}) == "step 2/4 | gnorm nan"
 
 
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 def test_progress_bar_postfix_is_the_metrics_summary(tmp_path):
-    bar = StepProgress(total=20, initial=2)
+    bar = StepProgress(total=20, initial=2, stream=FakeTerminal())
     bar.update(3, FULL_METRICS)
     assert bar.n == 3
     assert bar.postfix == format_metrics(FULL_METRICS)
@@ -270,3 +277,47 @@ def test_drop_after_removes_later_steps_and_keeps_appending(tmp_path):
     lines = logger.path.read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines if line != "not json"] == [0, 1, 2]
     assert "not json" in lines and json.loads(lines[-1])["loss"] == 20.0
+
+
+def test_progress_redraws_in_place_on_a_terminal_and_prints_only_lines_elsewhere(caplog):
+    """Issue 21, defect 9: under torchrun (not a terminal) every bar redraw became a new line (2,375 lines in the
+    default run). The bar is drawn only on a terminal (carriage returns, one line); elsewhere the progress is the
+    step lines, through the log; the phase's label is its own (the warm-up bar said `train`)."""
+    terminal = FakeTerminal()
+    bar = StepProgress(total=50, desc="warmup", stream=terminal)
+    for step in range(1, 51):
+        bar.update(step, {"sft/loss": 1.0})
+    bar.close()
+    drawn = terminal.getvalue()
+    assert "warmup" in drawn and "\r" in drawn and drawn.count("\n") <= 1
+
+    pipe = io.StringIO()
+    caplog.set_level(logging.INFO, logger="torchplex")
+    bar = StepProgress(total=50, desc="train", stream=pipe)
+    for step in range(1, 51):
+        bar.update(step, {"reward/mean": 0.5})
+        if step % 10 == 0:
+            bar.write(f"step {step}/50")
+    bar.close()
+    assert pipe.getvalue() == ""
+    assert [r.getMessage() for r in caplog.records] == [f"step {s}/50" for s in (10, 20, 30, 40, 50)]
+    quiet = StepProgress(total=5, rank=1, stream=FakeTerminal())
+    quiet.write("not shown on rank 1")
+    assert len(caplog.records) == 5
+
+
+def test_resume_purges_tensorboard_steps_after_the_checkpoint(tmp_path):
+    """Issue 21, defect 3: after a resume TensorBoard held the steps after the checkpoint twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path) as logger:
+        for step in (1, 2, 3, 4):
+            logger.log(step, {"loss": float(step)})
+    with MetricsLogger(tmp_path) as logger:  # the resumed run: checkpoint at step 2
+        logger.drop_after(2)
+        for step in (3, 4, 5):
+            logger.log(step, {"loss": 10.0 * step})
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0),
+                                                                    (5, 50.0)]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
+import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -39,6 +41,9 @@ class JobConfig:
     output_dir: str = "runs"  # the run folder is <output_dir>/<name>
     seed: int = 0
     description: str = ""
+    # A run folder holds one run. true: a folder holding an earlier run (metrics, TensorBoard logs, plots,
+    # checkpoints) is emptied first; false: such a folder is refused unless its checkpoint is resumed.
+    overwrite: bool = False
 
     @property
     def run_dir(self) -> Path:
@@ -224,10 +229,16 @@ class Config:
         return cfg
 
     def save(self, path: str | Path) -> Path:
-        """Write the resolved config as TOML (loadable with `--job.config_file path`)."""
+        """Write the resolved config as TOML (loadable with `--job.config_file path`). Paths are written absolute
+        (a relative one left is relative to the working folder), since a TOML's relative paths mean its folder."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("# resolved torchplex config\n" + to_toml(self.to_dict()))
+        data = self.to_dict()
+        for key in PATH_KEYS:
+            section, name = key.split(".")
+            if data[section][name]:
+                data[section][name] = _absolute(data[section][name], Path.cwd())
+        path.write_text("# resolved torchplex config\n" + to_toml(data))
         return path
 
 
@@ -375,7 +386,56 @@ _CHECKS = [
 ]
 
 
+# Ranges of the numeric keys: a bad value fails at start-up naming the key, not steps later (log_interval = 0 was a
+# ZeroDivisionError after the warm-up). Floats must also be finite (checked for every float key below).
+_RANGES = [
+    ("job.seed", lambda v: 0 <= v < 2**32, "must be in [0, 2**32) (numpy's seed range)"),
+    ("data.synthetic_train", lambda v: v >= 1, "must be >= 1"),
+    ("data.synthetic_eval", lambda v: v >= 0, "must be >= 0"),
+    ("data.prompts_per_step", lambda v: v >= 1, "must be >= 1"),
+    ("data.max_prompt_tokens", lambda v: v >= 1, "must be >= 1"),
+    ("data.eval_prompts", lambda v: v >= 0, "must be >= 0"),
+    ("rollout.max_new_tokens", lambda v: v >= 1, "must be >= 1"),
+    ("rollout.kv_pool_gib", lambda v: v > 0, "must be > 0"),
+    ("rollout.max_batch", lambda v: v >= 1, "must be >= 1"),
+    ("algorithm.kl_coef", lambda v: v >= 0, "must be >= 0 (0 = no reference model)"),
+    ("optimizer.lr", lambda v: v > 0, "must be > 0"),
+    ("optimizer.beta1", lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    ("optimizer.beta2", lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    ("optimizer.eps", lambda v: v > 0, "must be > 0"),
+    ("optimizer.weight_decay", lambda v: v >= 0, "must be >= 0"),
+    ("lr_scheduler.warmup_steps", lambda v: v >= 0, "must be >= 0"),
+    ("lr_scheduler.min_lr_ratio", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    ("training.steps", lambda v: v >= 1, "must be >= 1"),
+    ("training.sft_warmup_steps", lambda v: v >= 0, "must be >= 0"),
+    ("training.sft_lr", lambda v: v > 0, "must be > 0"),
+    ("training.sft_batch_size", lambda v: v >= 1, "must be >= 1"),
+    ("checkpoint.interval", lambda v: v >= 1, "must be >= 1"),
+    ("checkpoint.keep_latest_k", lambda v: v >= 0, "must be >= 0 (0 = keep all)"),
+    ("metrics.log_interval", lambda v: v >= 1, "must be >= 1"),
+    ("metrics.eval_interval", lambda v: v >= 0, "must be >= 0 (0 = no evaluation)"),
+]
+_CHECKS += [(key, (lambda c, k=key, ok=ok: ok(getattr(getattr(c, k.split(".")[0]), k.split(".")[1]))), req)
+            for key, ok, req in _RANGES]
+
+
+def _non_finite_floats(cfg: Config) -> list[str]:
+    """section.key of every float (or list-of-float element) that is nan or inf."""
+    bad = []
+    for section, keys in _sections().items():
+        for key, annotation in keys.items():
+            value = getattr(getattr(cfg, section), key)
+            values = value if get_origin(annotation) is list else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                bad.append(f"{section}.{key}")
+    return bad
+
+
 def _check_values(cfg: Config, origin: str = "") -> None:
+    where = f" (config from {origin})" if origin else ""
+    for key in _non_finite_floats(cfg):
+        section, name = key.split(".")
+        raise ConfigError(f"{key} = {getattr(getattr(cfg, section), name)!r} must be a finite number{where}")
     for key, ok, requirement in _CHECKS:
         if not ok(cfg):
             section, name = key.split(".")
@@ -421,32 +481,93 @@ def load_config(argv: list[str] | None = None) -> Config:
     """Defaults, then the TOML named by `--job.config_file`, then every other `--section.key` override."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
-        print(format_help())
+        # The defaults shown are those of the run these arguments would start (its config file and overrides).
+        rest = [a for a in argv if a not in ("-h", "--help")]
+        try:
+            cfg, origin = _load(rest), _origin_of(rest)
+        except ConfigError as err:
+            cfg, origin = Config(), f"built-in defaults; the given config does not load: {err}"
+        print(format_help(cfg, origin))
         raise SystemExit(0)
+    return _load(argv)
+
+
+def _origin_of(argv: list[str]) -> str:
+    overrides = _split_argv(argv)
+    files = [text for section, key, text in overrides if (section, key) == ("job", "config_file") and text]
+    origin = files[-1] if files else "built-in defaults"
+    if any((section, key) != ("job", "config_file") for section, key, _ in overrides):
+        origin += f" + {COMMAND_LINE}"
+    return origin
+
+
+# Keys naming a file or folder. A relative value is relative to the TOML's folder when the file sets it, and to the
+# folder the command was run from when the command line sets it (a default is left as it is); run_train.sh, which moves to the
+# repo root, passes that folder as TORCHPLEX_CALLER_DIR. The config then holds absolute paths, so errors name them.
+PATH_KEYS = ("job.output_dir", "model.hf_checkpoint", "data.train_file", "data.eval_file", "data.synthetic_dir")
+
+
+def caller_dir() -> Path:
+    return Path(os.environ.get("TORCHPLEX_CALLER_DIR") or os.getcwd())
+
+
+def _absolute(value: str, base: Path) -> str:
+    path = Path(value).expanduser()
+    return os.path.normpath(path if path.is_absolute() else base / path)
+
+
+def _resolve_paths(cfg: Config, bases: dict[str, Path]) -> None:
+    """Make the path keys that were set absolute (`bases`: key -> folder it is relative to); defaults are left."""
+    for key, base in bases.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if key in PATH_KEYS and value:
+            setattr(getattr(cfg, section), name, _absolute(value, base))
+
+
+def _load(argv: list[str]) -> Config:
     overrides = _split_argv(argv)
     cfg, origin, given = Config(), COMMAND_LINE, set()
+    bases: dict[str, Path] = {}
     config_files = [text for section, key, text in overrides if (section, key) == ("job", "config_file")]
     if config_files and config_files[-1]:
-        origin = config_files[-1]
-        given = _apply_tables(cfg, load_toml(origin), origin)
+        origin = _absolute(config_files[-1], caller_dir())
+        tables = load_toml(origin)
+        given = _apply_tables(cfg, tables, origin)
+        cfg.job.config_file = origin
+        bases = {f"{section}.{key}": Path(origin).parent for section, table in tables.items()
+                 if isinstance(table, dict) for key in table}
     for section, key, text in overrides:
+        bases[f"{section}.{key}"] = caller_dir()  # set on the command line: relative to the caller's folder
         if text is None:  # a bare flag switches a boolean on
             annotation = _annotation(section, key, COMMAND_LINE)
             if annotation is not bool:
                 raise ConfigError(f"--{section}.{key} on the {COMMAND_LINE} needs a value ({_type_name(annotation)})")
             text = "true"
+        if (section, key) == ("job", "config_file"):
+            continue  # read above
         given.add(_set(cfg, section, key, text, COMMAND_LINE, from_text=True))
     _apply_algorithm_defaults(cfg, given)
+    _resolve_paths(cfg, bases)
     _check_values(cfg, origin if origin == COMMAND_LINE else f"{origin} + {COMMAND_LINE}")
     return cfg
 
 
-def format_help() -> str:
-    lines = ["torchplex training options: --section.key=value (after --job.config_file FILE.toml)"]
-    defaults = Config().to_dict()
+HELP_HEAD = """usage: [NGPU=n] [CONFIG_FILE=file.toml] ./run_train.sh [--section.key=value ...]
+       python -m torchplex.train --job.config_file file.toml [--section.key=value ...]
+
+run_train.sh environment: NGPU (processes per node, default 1), CONFIG_FILE (default train_configs/debug.toml),
+NNODES and RDZV_ENDPOINT (several nodes), LOG_RANK (local ranks shown, default 0), PYTHON, OMP_NUM_THREADS.
+Overrides win over the file. Values shown: {origin}."""
+
+
+def format_help(cfg: Config | None = None, origin: str = "built-in defaults") -> str:
+    """Every key with its type and the value this run would use (`cfg`: its config file plus overrides)."""
+    lines = [HELP_HEAD.format(origin=origin)]
+    values = (cfg or Config()).to_dict()
     for section, keys in _sections().items():
         lines.append(f"[{section}]")
-        lines += [f"  --{section + '.' + k:<38} {_type_name(t):<40} default {defaults[section][k]!r}"
+        lines += [f"  --{section + '.' + k:<38} {_type_name(t):<40} {values[section][k]!r}"
                   for k, t in keys.items()]
     return "\n".join(lines)
 
@@ -471,3 +592,18 @@ def to_toml(data: dict[str, dict[str, Any]]) -> str:
     for section, table in data.items():
         blocks.append(f"[{section}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in table.items()))
     return "\n".join(blocks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m torchplex.config ARGS`: check a config (run_train.sh does, before torchrun starts any process), so
+    a mistake prints its one-line message and nothing else; exit status 2 when it does not load."""
+    try:
+        load_config(argv)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

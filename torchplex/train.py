@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -24,12 +25,14 @@ import torch
 import torch.distributed as dist
 
 from .components.checkpoint import CheckpointManager
+from .components.console import RunSummary, StopRequest, format_eval, optimizer_notice, setup_logging
 from .components.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, StepProgress, format_step_line
 from .components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from .config import Config, load_config
+from .config import Config, ConfigError, load_config
 from .data.processing import load_processor
 from .data.prompts import EncodedBatch, PromptEncoder
-from .data.records import PromptStream, read_records
+from .data.records import PromptStream, read_records_report
+from .data.skips import DataError, skip_counts_text
 from .data.synthetic import generate_synthetic_task
 from .distributed.mesh import build_parallel_dims, destroy_distributed, init_distributed
 from .models.qwen2_5_vl.build import build_model
@@ -44,6 +47,8 @@ from .runtime.grpo_step import all_reduce_sums, kl_to_reference
 from .runtime.planner import PlanOptions
 from .runtime.rollout_weights import build_rollout_engine
 from .runtime.scoring import ScoreRequest, SerialScorer
+from .run_folder import RunFolderError, check_run_folder, clear_run_folder, may_write_tiny_checkpoint, \
+    missing_checkpoint_error
 
 log = logging.getLogger("torchplex")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -54,8 +59,11 @@ def ensure_tiny_checkpoint(path: Path, flavor: str, seed: int) -> None:
     repo = Path(__file__).resolve().parents[1]
     if str(repo) not in sys.path:
         sys.path.insert(0, str(repo))
+    from transformers.utils import logging as hf_logging
+
     from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
+    hf_logging.disable_progress_bar()  # its one-file "Writing model shards" bar says nothing
     log.info("no checkpoint at %s: writing a tiny random %s checkpoint", path, flavor)
     make_tiny_checkpoint(path, size=flavor, seed=seed)
 
@@ -73,16 +81,26 @@ class Trainer:
         self.dp_size = self.dims.dp_shard if self.dims else 1
         self.dp_group = self.dims.dp_mesh.get_group() if self.dims and self.dp_size > 1 else None
         self.run_dir = cfg.job.run_dir
+        ckpt = Path(cfg.model.hf_checkpoint)
+        # Refused before anything is written: a typo must not leave a tiny random model (or a run folder) behind.
+        missing_ckpt = not (ckpt / "config.json").is_file()
+        if missing_ckpt and not (cfg.model.make_tiny_if_missing and may_write_tiny_checkpoint(str(ckpt))):
+            raise FileNotFoundError(missing_checkpoint_error(str(ckpt), cfg.model.make_tiny_if_missing))
+        self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.folder, cfg.checkpoint.interval,
+                                             cfg.checkpoint.keep_latest_k, cfg.checkpoint.enable)
+        resuming = cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpoints.latest_step() is not None
+        run_folder = check_run_folder(self.run_dir, self.checkpoints.folder, cfg.job.overwrite, resuming)
+        self._barrier()  # every rank has looked before rank 0 clears anything
         if self.rank == 0:
+            if run_folder == "overwrite":
+                removed = clear_run_folder(self.run_dir, self.checkpoints.folder)
+                log.info("%s held an earlier run: replaced (job.overwrite = true; removed %s)", self.run_dir,
+                         ", ".join(removed))
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.run_dir / "config.toml")
         self._seed(cfg.job.seed)
 
-        ckpt = Path(cfg.model.hf_checkpoint)
-        if not (ckpt / "config.json").is_file():
-            if not cfg.model.make_tiny_if_missing:
-                raise FileNotFoundError(f"model.hf_checkpoint: no config.json in {ckpt} (set it to an HF "
-                                        f"Qwen2.5-VL folder, or model.make_tiny_if_missing = true for a debug run)")
+        if missing_ckpt:
             if self.rank == 0:
                 ensure_tiny_checkpoint(ckpt, cfg.model.flavor, cfg.job.seed)
             self._barrier()
@@ -91,6 +109,10 @@ class Trainer:
         self.eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.encoder = PromptEncoder(self.processor, cfg.data.max_prompt_tokens)
+        self.data_files: dict[str, str] = {}
+        self.stop = StopRequest()
+        self.summary = RunSummary(self.run_dir, cfg.training.steps, cfg.training.sft_warmup_steps,
+                                  checkpoints_enabled=cfg.checkpoint.enable)
 
         self.train_records, self.eval_records = self._load_data()
         self.stream = PromptStream(self.train_records, cfg.data.prompts_per_step, seed=cfg.job.seed,
@@ -111,11 +133,12 @@ class Trainer:
         if self.reference is not None and cfg.model.freeze_vision:
             self.reference.visual = self.actor.visual  # the same frozen weights: keep one copy, encode once
         o = cfg.optimizer
+        notice = optimizer_notice(o.name, self.device.type)
+        if notice and self.rank == 0:
+            log.warning(notice)
         self.optimizer = build_optimizer(self.actor, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler.warmup_steps, cfg.lr_scheduler.decay,
                                                cfg.training.steps, cfg.lr_scheduler.min_lr_ratio)
-        self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.folder, cfg.checkpoint.interval,
-                                             cfg.checkpoint.keep_latest_k, cfg.checkpoint.enable)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.metrics.tensorboard, rank=self.rank)
         a = cfg.algorithm
         loss_cfg = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, importance=a.importance,
@@ -178,6 +201,9 @@ class Trainer:
         d = self.cfg.data
         if d.train_file:
             train_path, eval_path = Path(d.train_file), Path(d.eval_file) if d.eval_file else None
+            for key, path in (("data.train_file", train_path), ("data.eval_file", eval_path)):
+                if path is not None and not path.is_file():
+                    raise FileNotFoundError(f"{key} = {str(path)!r}: no such file")
         else:
             if self.rank == 0:
                 generate_synthetic_task(d.synthetic_dir, d.synthetic_train, d.synthetic_eval, seed=self.cfg.job.seed,
@@ -185,9 +211,32 @@ class Trainer:
             self._barrier()
             train_path, eval_path = generate_synthetic_task(d.synthetic_dir, d.synthetic_train, d.synthetic_eval,
                                                             seed=self.cfg.job.seed, image_size=(112, 112))
-        train = read_records(train_path, on_error="skip")
-        evals = read_records(eval_path, on_error="skip") if eval_path else []
+        train = self._read(train_path, "train")
+        evals = self._read(eval_path, "eval") if eval_path else []
+        if len(train) < d.prompts_per_step:
+            raise DataError(f"{train_path}: {len(train)} valid records, fewer than one step's data.prompts_per_step"
+                            f"={d.prompts_per_step} (skipped: {skip_counts_text(self.encoder.skips.metrics())})")
+        if eval_path and not evals:
+            raise DataError(f"{eval_path} (data.eval_file): no valid record "
+                            f"(skipped: {skip_counts_text(self.encoder.skips.metrics())})")
         return train, evals
+
+    def _read(self, path: Path, phase: str) -> list:
+        """Valid records of a JSONL file; malformed lines are counted once for the job (data-parallel rank 0)."""
+        report = read_records_report(path, on_error="skip")
+        if self.dp_rank == 0 and report.skipped:
+            self.encoder.skips.add_lines(phase, str(path), report.skipped)
+        self.data_files[phase] = str(path)
+        return report.records
+
+    def _no_valid_sample(self, phase: str) -> DataError:
+        return DataError(f"a {phase} step has no valid sample: every record of its batch was skipped "
+                         f"({self.data_files.get('train' if phase == 'warmup' else phase, '?')}; skipped so far: "
+                         f"{skip_counts_text(self.encoder.skips.metrics(self._skip_vector()))})")
+
+    def _skip_vector(self) -> list[float]:
+        """The skip counts summed over data-parallel ranks (collective)."""
+        return all_reduce_sums(self.encoder.skips.vector(), self.device, self.dp_group)
 
     def _local(self, items: list) -> list:
         """This data-parallel rank's share of a global batch."""
@@ -218,10 +267,16 @@ class Trainer:
         stream = PromptStream(self.train_records, t.sft_batch_size, seed=self.cfg.job.seed + 1)
         optimizer = build_optimizer(self.actor, "adamw", t.sft_lr)
         scorer = SerialScorer(self.pad_id)
-        progress = StepProgress(t.sft_warmup_steps, rank=self.rank, enable=self.cfg.metrics.progress_bar)
+        progress = StepProgress(t.sft_warmup_steps, rank=self.rank, enable=self.cfg.metrics.progress_bar,
+                                desc="warmup")
         for step in range(1, t.sft_warmup_steps + 1):
-            batch = self.encoder.encode_batch(self._local(stream.next_batch()))
+            if self.stop.requested:
+                log.info("warm-up stopped at step %d/%d", step - 1, t.sft_warmup_steps)
+                break
+            batch = self.encoder.encode_batch(self._local(stream.next_batch()), phase="warmup")
             if self._fewest(len(batch.prompts)) == 0:  # every rank skips the step, or none (collectives)
+                if self._sum(len(batch.prompts)) == 0:
+                    raise self._no_valid_sample("warmup")
                 continue
             targets = [self.tokenizer(f"<answer>{r.answer}</answer>", add_special_tokens=False)["input_ids"]
                        + [self.eos_id] for r in batch.records]
@@ -238,22 +293,25 @@ class Trainer:
             optimizer.step()
             progress.update(step, {"sft/loss": loss.item()})
             if step % 50 == 0 or step == t.sft_warmup_steps:
-                log.info("sft step %d/%d loss %.4f", step, t.sft_warmup_steps, loss.item())
+                progress.write(f"warm-up step {step}/{t.sft_warmup_steps} | loss {loss.item():.4f}")
         progress.close()
         del optimizer
 
     # ---- evaluation ------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         records = self._local(self.eval_records[:self.cfg.data.eval_prompts])
-        batch = self.encoder.encode_batch(records)
+        batch = self.encoder.encode_batch(records, phase="eval")
+        # The denominators: prompts scored, and those of the eval set skipped (bad media, too long)
+        scored, skipped = all_reduce_sums([len(batch.prompts), len(batch.skipped)], self.device, self.dp_group)
+        counts = {"eval/prompts": scored, "eval/skipped": skipped}
         if not batch.prompts and self.dp_group is None:
-            return {}  # with several ranks, one without prompts still joins the collectives (an empty rollout)
+            return counts  # with several ranks, one without prompts still joins the collectives (an empty rollout)
         outputs = self.engine.generate(batch.prompts, self.sampling_params(greedy=True, n=1))
         reshard(self.actor)
         texts = self.tokenizer.batch_decode([o[0].token_ids for o in outputs], skip_special_tokens=True)
         correct = [float(is_correct(t, r.answer)) for t, r in zip(texts, batch.records)]
         formatted = [format_reward(t, r.answer) for t, r in zip(texts, batch.records)]
-        return {"eval/accuracy": self._mean(correct), "eval/format": self._mean(formatted)}
+        return {"eval/accuracy": self._mean(correct), "eval/format": self._mean(formatted), **counts}
 
     def _equal_share(self, batch: EncodedBatch) -> EncodedBatch:
         """The batch cut to the fewest prompts any data-parallel rank has (skipped bad samples make shares unequal).
@@ -309,10 +367,13 @@ class Trainer:
             batch = self.encoder.encode_batch([global_batch[i] for i in positions])
             global_indices = [positions[i] for i in batch.indices]
         self.skipped_samples += int(self._sum(len(batch.skipped)))  # every rank keeps the global count
+        if self._sum(len(batch.prompts)) == 0:
+            raise self._no_valid_sample("train")
         batch = self._equal_share(batch)
         global_indices = global_indices[:len(batch.prompts)]
         metrics: dict[str, float] = {"skipped/bad_samples": float(self.skipped_samples),
-                                     "skipped/unequal_share": float(self.unequal_share_dropped)}
+                                     "skipped/unequal_share": float(self.unequal_share_dropped),
+                                     **self.encoder.skips.metrics(self._skip_vector())}
         if not batch.prompts:  # the same on every rank (_equal_share)
             return metrics, False
         params = self.sampling_params()
@@ -367,45 +428,13 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        cfg = self.cfg
-        if cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpoints.latest_step() is not None:
-            self.step, extra = self.checkpoints.load(self.actor, self.optimizer, self.lr_scheduler)
-            self.stream.load_state_dict(extra["data"])
-            self.skipped_samples = extra.get("skipped_samples", 0)
-            self.unequal_share_dropped = extra.get("unequal_share_dropped", 0)
-            dropped = self.metrics.drop_after(self.step)  # logged after the checkpoint: they are logged again
-            log.info("resumed from step %d%s", self.step,
-                     f" ({dropped} metrics records of later steps removed from {METRICS_FILENAME})" if dropped else "")
-        elif cfg.training.sft_warmup_steps > 0:
-            if self.eval_records and cfg.metrics.eval_interval > 0:
-                before = self.evaluate()
-                self.metrics.log(0, {f"{k}_before_sft": v for k, v in before.items()})
-                log.info("eval before SFT warm-up: %s", before)
-            self.sft_warmup()
-        last_eval: dict[str, float] = {}
-        if self.step == 0 and self.eval_records and cfg.metrics.eval_interval > 0:
-            last_eval = self.evaluate()
-            self.metrics.log(0, last_eval)
-            log.info("eval at step 0: %s", last_eval)
-        progress = StepProgress(cfg.training.steps, initial=self.step, rank=self.rank, enable=cfg.metrics.progress_bar)
-        while self.step < cfg.training.steps:
-            self.step += 1
-            metrics, finite = self.train_step()
-            last = self.step == cfg.training.steps
-            if self.eval_records and cfg.metrics.eval_interval > 0 and (self.step % cfg.metrics.eval_interval == 0 or last):
-                last_eval = self.evaluate()
-                metrics.update(last_eval)
-            self.metrics.log(self.step, metrics)
-            progress.update(self.step, metrics)
-            if self.step % cfg.metrics.log_interval == 0:
-                line = format_step_line(self.step, cfg.training.steps, metrics)
-                progress.write(line) if cfg.metrics.progress_bar else log.info(line)
-            if finite and self.checkpoints.should_save(self.step, last=last):
-                self.checkpoints.save(self.step, self.actor, self.optimizer, self.lr_scheduler,
-                                      extra={"data": self.stream.state_dict(), "skipped_samples": self.skipped_samples,
-                                             "unequal_share_dropped": self.unequal_share_dropped})
-        progress.close()
-        if cfg.checkpoint.export_hf_at_end:
+        cfg, started = self.cfg, time.perf_counter()
+        self.stop.install()
+        try:
+            last_eval = self._train_loop()
+        finally:
+            self.stop.uninstall()
+        if cfg.checkpoint.export_hf_at_end and not self.stop.requested:
             save_hf_weights(self.actor, self.run_dir / "hf_export")
             if self.rank == 0:
                 copy_non_weight_files(self.cfg.model.hf_checkpoint, self.run_dir / "hf_export")
@@ -413,27 +442,113 @@ class Trainer:
         if self.memory is not None and self.rank == 0:
             self.memory.save(self.run_dir / "memory_measured.json")
         if self.rank == 0:
-            self._plot()
+            self.summary.plot = self._plot()
+        self.summary.steps_done, self.summary.stopped_early = self.step, self.stop.requested
+        self.summary.seconds = time.perf_counter() - started
+        self.summary.skipped = {"skipped/unequal_share": self.unequal_share_dropped,
+                                **self.encoder.skips.metrics(self._skip_vector())}
+        if self.rank == 0:
+            for line in self.summary.lines():
+                log.info(line)
         return last_eval
 
-    def _plot(self) -> None:
+    def _resume(self) -> None:
+        self.step, extra, failed = self.checkpoints.load_newest(self.actor, self.optimizer, self.lr_scheduler)
+        for step, err in failed:
+            log.warning("checkpoint of step %d cannot be loaded (%s): falling back to an older one", step, err)
+        self.stream.load_state_dict(extra["data"])
+        self.skipped_samples = extra.get("skipped_samples", 0)
+        self.unequal_share_dropped = extra.get("unequal_share_dropped", 0)
+        self.encoder.skips.load_state_dict(extra.get("skips", {}))
+        dropped = self.metrics.drop_after(self.step)  # logged after the checkpoint: they are logged again
+        self.summary.resumed_from = self.step
+        log.info("resumed from step %d (%s)%s", self.step, self.checkpoints.step_dir(self.step),
+                 f"; {dropped} metrics records of later steps removed from {METRICS_FILENAME}" if dropped else "")
+
+    def _eval_and_log(self, step: int, label: str = "") -> dict[str, float]:
+        result = self.evaluate()
+        if self.rank == 0:
+            log.info(format_eval(step, result, label))
+        return result
+
+    def _save(self) -> None:
+        self.summary.checkpoint = self.checkpoints.save(
+            self.step, self.actor, self.optimizer, self.lr_scheduler,
+            extra={"data": self.stream.state_dict(), "skipped_samples": self.skipped_samples,
+                   "unequal_share_dropped": self.unequal_share_dropped, "skips": self.encoder.skips.state_dict()})
+
+    def _train_loop(self) -> dict[str, float]:
+        cfg = self.cfg
+        evaluating = bool(self.eval_records) and cfg.metrics.eval_interval > 0
+        if cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpoints.latest_step() is not None:
+            self._resume()
+        elif cfg.training.sft_warmup_steps > 0:
+            if evaluating:
+                before = self._eval_and_log(0, "before the warm-up")
+                self.metrics.log(0, {f"{k}_before_sft": v for k, v in before.items()})
+            self.sft_warmup()
+        last_eval: dict[str, float] = {}
+        if self.step == 0 and evaluating and not self.stop.requested:
+            last_eval = self._eval_and_log(0)
+            self.summary.add_eval(0, last_eval)
+            self.metrics.log(0, last_eval)
+        progress = StepProgress(cfg.training.steps, initial=self.step, rank=self.rank, enable=cfg.metrics.progress_bar,
+                                desc="grpo")
+        while self.step < cfg.training.steps and not self.stop.requested:
+            self.step += 1
+            metrics, finite = self.train_step()
+            last = self.step == cfg.training.steps
+            if evaluating and (self.step % cfg.metrics.eval_interval == 0 or last):
+                last_eval = self.evaluate()
+                self.summary.add_eval(self.step, last_eval)
+                metrics.update(last_eval)
+            self.metrics.log(self.step, metrics)
+            progress.update(self.step, metrics)
+            if self.step % cfg.metrics.log_interval == 0:
+                progress.write(format_step_line(self.step, cfg.training.steps, metrics))
+            if evaluating and "eval/prompts" in metrics:
+                progress.write(format_eval(self.step, last_eval))
+            stopping = self.stop.requested and not last
+            if finite and (self.checkpoints.should_save(self.step, last=last) or (stopping and cfg.checkpoint.enable)):
+                self._save()
+        progress.close()
+        if self.stop.requested and self.rank == 0:
+            log.info("stopped at step %d on request; %s", self.step,
+                     f"the same command resumes from {self.summary.checkpoint}" if self.summary.checkpoint else
+                     "checkpoints are off (checkpoint.enable = false): nothing to resume from")
+        return last_eval
+
+    def _plot(self) -> Path | None:
         try:
             repo = Path(__file__).resolve().parents[1]
             if str(repo) not in sys.path:
                 sys.path.insert(0, str(repo))
             from tools.plot_metrics import plot_metrics
 
-            log.info("metrics plot: %s", plot_metrics(self.run_dir))
+            return plot_metrics(self.run_dir)
         except Exception as err:  # a plot must never fail a finished run
             log.warning("could not plot metrics: %s", err)
+            return None
+
+
+# Errors a user fixes by changing the config, the command or the data: shown as their message alone (exit 2)
+USER_ERRORS = (ConfigError, RunFolderError, DataError, FileNotFoundError)
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    cfg = load_config(argv)
-    trainer = Trainer(cfg)
-    trainer.train()
-    destroy_distributed()
+    setup_logging(int(os.environ.get("RANK", "0")))
+    try:
+        cfg = load_config(argv)
+        trainer = Trainer(cfg)
+        trainer.train()
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop started
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    finally:
+        destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -92,6 +92,18 @@ def _resync_offloading_optimizer(optimizer: torch.optim.Optimizer) -> None:
         optimizer.d_param_groups = device_optimizer.param_groups
 
 
+class CheckpointLoadError(RuntimeError):
+    """No checkpoint of a folder could be loaded; the message lists each one's folder and reason."""
+
+
+def _first_line(err: BaseException) -> str:
+    """The gist of an error: DCP's CheckpointException carries each rank's traceback, whose last line is the cause."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return (lines[-1] if any(line.startswith("Traceback") for line in lines) else lines[0])[:300]
+
+
 def _train_state_filename(rank: int) -> str:
     return f"train_state_rank{rank}.pt"
 
@@ -305,6 +317,32 @@ class CheckpointManager:
             lr_scheduler.load_state_dict(train_state["lr_scheduler"])
         restore_rng_state(train_state["rng"])
         return int(train_state["step"]), dict(train_state["extra"])
+
+    def load_newest(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    ) -> tuple[int, dict[str, Any], list[tuple[int, str]]]:
+        """Restore the newest checkpoint that loads; returns `(step, extra, failed)`, `failed` being the newer
+        checkpoints that did not load, as (step, reason naming the folder). A corrupt newest checkpoint (a
+        truncated `.distcp`) then costs the steps since the one before it, not the run.
+
+        Each attempt loads every piece of state, so an older checkpoint overwrites whatever a failed one set."""
+        failed: list[tuple[int, str]] = []
+        steps = self.saved_steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint (step-N/{_DCP_METADATA}) in {self.folder}")
+        for step in reversed(steps):
+            try:
+                loaded, extra = self.load(model, optimizer, lr_scheduler, step=step)
+                return loaded, extra, failed
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+                failed.append((step, f"{self.step_dir(step)}: {type(err).__name__}: {_first_line(err)}"))
+        raise CheckpointLoadError("no checkpoint in {} loads:\n{}".format(
+            self.folder, "\n".join(f"  step {step}: {reason}" for step, reason in failed)))
 
     @staticmethod
     def save_model_only(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import sys
 import time
@@ -39,6 +40,7 @@ METRICS_FILENAME = "metrics.jsonl"
 TENSORBOARD_DIRNAME = "tb"
 
 _GIB = 1024**3
+_log = logging.getLogger("torchplex")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -95,9 +97,15 @@ class MetricsLogger:
 
     def drop_after(self, step: int) -> int:
         """Remove the records of steps after `step` (a run resumed from a checkpoint at `step` logs them again);
-        returns how many were removed. A line that is not a JSON record is kept as it is."""
+        returns how many were removed. A line that is not a JSON record is kept as it is. TensorBoard's events of
+        those steps are purged too (SummaryWriter's purge_step), or its curves would hold them twice."""
         if not self.enabled or self._file is None:
             return 0
+        if self._writer is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer.close()
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIRNAME), purge_step=step + 1)
         self._file.close()
         kept, dropped = [], 0
         for line in self.path.read_text(encoding="utf-8").splitlines(keepends=True):
@@ -215,23 +223,27 @@ def format_step_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
 
 
 class StepProgress:
-    """A tqdm bar over training steps whose postfix is the metrics summary of the last step.
+    """A tqdm bar over the steps of one phase whose postfix is the metrics summary of the last step.
 
-    tqdm already prints "i/n", so the postfix is `format_metrics`, not the full step line.
-    Disabled (no output at all) on ranks other than 0 or when `enable=False`.
+    tqdm already prints "i/n", so the postfix is `format_metrics`, not the full step line. The bar is drawn only
+    where it can redraw in place (a terminal): in a log file or a pipe every redraw would be a new line, so there
+    `write` lines (every `metrics.log_interval` steps) are the progress. Ranks other than 0 show nothing.
     """
 
-    def __init__(self, total: int, initial: int = 0, rank: int = 0, enable: bool = True) -> None:
+    def __init__(self, total: int, initial: int = 0, rank: int = 0, enable: bool = True, desc: str = "train",
+                 stream=None) -> None:
         from tqdm import tqdm
 
+        stream = stream if stream is not None else sys.stderr
+        self._rank = rank
         self._bar = tqdm(
             total=total,
             initial=initial,
-            desc="train",
+            desc=desc,
             unit="step",
             dynamic_ncols=True,
-            file=sys.stderr,
-            disable=not enable or rank != 0,
+            file=stream,
+            disable=not enable or rank != 0 or not _is_terminal(stream),
         )
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -248,12 +260,23 @@ class StepProgress:
         return self._bar.postfix or ""
 
     def write(self, line: str) -> None:
-        """Print a line above the bar without breaking it."""
-        if not self._bar.disable:
+        """Print a line above the bar without breaking it (through the log when there is no bar)."""
+        if self._rank != 0:
+            return
+        if self._bar.disable:
+            _log.info(line)
+        else:
             self._bar.write(line)
 
     def close(self) -> None:
         self._bar.close()
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,14 +1,13 @@
-"""Records -> encoded prompts, with bad samples (missing media, over-long prompts) set aside and counted."""
+"""Records -> encoded prompts, with bad samples (unreadable media, processor failures, over-long prompts) set aside
+and counted (data/skips.py)."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from .processing import PromptInputs, encode_prompt
 from .records import BadSampleError, PromptRecord, load_images, load_video_frames
-
-log = logging.getLogger(__name__)
+from .skips import SkipTally, guard_record
 
 
 @dataclass
@@ -21,34 +20,48 @@ class EncodedBatch:
     indices: list[int] = field(default_factory=list)
 
 
+def _media_of(record: PromptRecord) -> str:
+    paths = list(record.images) + list(record.video or [])
+    where = ", ".join(paths[:3]) + (f" (+{len(paths) - 3} more)" if len(paths) > 3 else "")
+    if record.origin:
+        where = f"{where} (record at {record.origin})" if where else f"record at {record.origin}"
+    return where
+
+
 class PromptEncoder:
     def __init__(self, processor, max_prompt_tokens: int, system: str | None = None):
         self.processor = processor
         self.max_prompt_tokens = max_prompt_tokens
         self.system = system
-        self.skipped_total = 0
+        self.skips = SkipTally()
+
+    @property
+    def skipped_total(self) -> int:
+        return self.skips.total()
 
     def encode(self, record: PromptRecord) -> PromptInputs:
-        """Encode one record; raises BadSampleError for unreadable media or a prompt over the token budget."""
+        """Encode one record; raises BadSampleError (naming the record and its files) for whatever goes wrong."""
         media = load_images(record) or []
         frames = load_video_frames(record)
         images = media[:len(record.images)]
-        prompt = encode_prompt(self.processor, record.prompt, images=images or None,
-                               videos=[frames] if frames else None, system=self.system)
+        prompt = guard_record(record.id, _media_of(record), encode_prompt, self.processor, record.prompt,
+                              images=images or None, videos=[frames] if frames else None, system=self.system)
         if len(prompt.input_ids) > self.max_prompt_tokens:
-            raise BadSampleError(record.id, "", f"prompt has {len(prompt.input_ids)} tokens, over "
-                                                f"data.max_prompt_tokens={self.max_prompt_tokens}")
+            raise BadSampleError(record.id, _media_of(record), f"{len(prompt.input_ids)} tokens, over "
+                                 f"data.max_prompt_tokens={self.max_prompt_tokens}", kind="too_long")
         return prompt
 
-    def encode_batch(self, records: list[PromptRecord]) -> EncodedBatch:
+    def encode_batch(self, records: list[PromptRecord], phase: str = "train") -> EncodedBatch:
+        """The records that encode, in order; the others are counted under `phase` and warned about once."""
         out = EncodedBatch([], [])
         for i, record in enumerate(records):
             try:
-                out.prompts.append(self.encode(record))
-                out.records.append(record)
-                out.indices.append(i)
+                prompt = guard_record(record.id, _media_of(record), self.encode, record)
             except BadSampleError as err:
                 out.skipped.append(err)
-                self.skipped_total += 1
-                log.warning("skipping sample %s: %s", record.id, err)
+                self.skips.add(phase, err)
+                continue
+            out.prompts.append(prompt)
+            out.records.append(record)
+            out.indices.append(i)
         return out

@@ -32,6 +32,7 @@ from PIL import Image
 
 logger = logging.getLogger(__name__)
 
+_SHOWN_LINES = 20  # malformed lines listed one by one in read_records' warning
 _KNOWN_KEYS = {"id", "prompt", "question", "answer", "images", "image", "video", "task", "meta"}
 
 
@@ -47,6 +48,8 @@ class PromptRecord:
     video: list[str] | None = None
     task: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    # Where the record came from ("file.jsonl:17"), so a skipped record can be found; "" when built in code.
+    origin: str = field(default="", compare=False)
 
 
 class RecordFormatError(ValueError):
@@ -60,17 +63,20 @@ class RecordFormatError(ValueError):
 
 
 class BadSampleError(Exception):
-    """An image or video frame of a record could not be read.
+    """A record could not be turned into model inputs: a file unreadable, the prompt too long, or the processor
+    failed on it (`kind`).
 
     Raised by ``load_images`` so that the trainer can drop this one sample, count it and warn,
     instead of stopping a long run on one corrupt file.
     """
 
-    def __init__(self, record_id: str, path: str, reason: str):
+    def __init__(self, record_id: str, path: str, reason: str, kind: str = "media"):
         self.record_id = record_id
         self.path = path
         self.reason = reason
-        super().__init__(f"record {record_id!r}: cannot read {path}: {reason}")
+        self.kind = kind  # a `skips.REASONS` entry: what the skip is counted as
+        what = {"media": "cannot read", "too_long": "prompt from", "preprocess": "cannot process"}.get(kind, "bad")
+        super().__init__(f"record {record_id!r}: {what} {path or '(no media)'}: {reason}")
 
 
 @dataclass
@@ -175,21 +181,24 @@ def read_records_report(
     folder = path.resolve().parent
     result = RecordsFile(path=str(path), records=[])
     seen_ids: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 costs that line, not the file
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
                 try:
-                    obj = json.loads(line)
+                    obj = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"not UTF-8 ({e.reason} at byte {e.start})") from None
                 except json.JSONDecodeError as e:
                     raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
                 record = _parse_record(obj, folder, default_id=f"{path.stem}:{line_no}")
+                record.origin = f"{path}:{line_no}"
                 if record.id in seen_ids:
                     raise ValueError(
                         f"duplicate id {record.id!r} (first on line {seen_ids[record.id]})"
                     )
-            except ValueError as e:
+            except (ValueError, TypeError, RecursionError) as e:
                 if on_error == "raise":
                     raise RecordFormatError(path, line_no, str(e)) from None
                 result.skipped.append(SkippedLine(line_no, str(e)))
@@ -209,10 +218,11 @@ def read_records(
     """
     result = read_records_report(path, on_error)
     if result.skipped:
-        first = result.skipped[0]
+        shown = result.skipped[:_SHOWN_LINES]
+        more = len(result.skipped) - len(shown)
         logger.warning(
-            "%s: skipped %d malformed line(s); first at line %d: %s",
-            path, len(result.skipped), first.line_no, first.reason,
+            "%s: skipped %d malformed line(s):\n%s%s", path, len(result.skipped),
+            "\n".join(f"  line {s.line_no}: {s.reason}" for s in shown), f"\n  ... and {more} more" if more else "",
         )
     return result.records
 
@@ -230,9 +240,9 @@ def _open_rgb(record_id: str, path: str) -> Image.Image:
             return im.convert("RGB")
     except FileNotFoundError:
         raise BadSampleError(record_id, path, "file not found") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        # PIL signals undecodable data with OSError (UnidentifiedImageError), ValueError or
-        # SyntaxError depending on the format plugin.
+    except Exception as e:  # noqa: BLE001
+        # PIL signals undecodable data with OSError (UnidentifiedImageError), ValueError,
+        # SyntaxError, struct.error... depending on the format plugin: any of them costs one sample.
         raise BadSampleError(record_id, path, f"{type(e).__name__}: {e}") from None
 
 

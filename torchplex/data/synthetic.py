@@ -284,7 +284,8 @@ def _generate_split(
 ) -> tuple[list[dict], set[str]]:
     """Generate ``num`` samples whose (question, image) is not in ``exclude``; write the PNGs."""
     records, keys = [], set()
-    bar = tqdm(total=num, desc=f"synthetic {split}", unit="img", disable=not progress)
+    # disable=None: drawn on a terminal only (in a log file every redraw would be a line)
+    bar = tqdm(total=num, desc=f"synthetic {split}", unit="img", disable=None if progress else True)
     attempts = 0
     while len(records) < num:
         attempts += 1

@@ -9,6 +9,7 @@ with what ``distribute_tensor`` would have produced.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -36,6 +37,22 @@ INDEX_FILE = "model.safetensors.index.json"
 # template, generation config, README...) belongs with any converted or exported copy of the weights.
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth",
                     ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+class CorruptCheckpointError(ValueError):
+    """A safetensors file of the checkpoint cannot be read (truncated or corrupt); the message names the file."""
+
+
+@contextlib.contextmanager
+def _safe_open_named(path: Path, framework: str = "pt"):
+    """`safe_open`, with its SafetensorError (a bare "incomplete metadata" or similar) naming the file, whether
+    raised opening the header or reading a tensor inside the block."""
+    try:
+        with safe_open(path, framework=framework) as f:
+            yield f
+    except SafetensorError as err:
+        raise CorruptCheckpointError(f"{path}: cannot read this safetensors file ({err}); it is truncated or "
+                                     f"corrupt: download or convert it again") from None
 
 
 class CheckpointMismatchError(ValueError):
@@ -65,7 +82,7 @@ class HFCheckpoint:
                     raise FileNotFoundError(f"shard {path} listed in {index_path} does not exist")
             return cls(directory, weight_map)
         if single_path.is_file():
-            with safe_open(single_path, framework="pt") as f:
+            with _safe_open_named(single_path, framework="pt") as f:
                 return cls(directory, {key: single_path for key in f.keys()})
         if not directory.is_dir():
             raise FileNotFoundError(f"HF checkpoint folder {directory} does not exist")
@@ -93,7 +110,7 @@ class HFCheckpoint:
         index lists but its file lacks."""
         shapes: dict[str, tuple[int, ...] | None] = {}
         for path, keys in self.keys_by_file().items():
-            with safe_open(path, framework="pt") as f:
+            with _safe_open_named(path, framework="pt") as f:
                 present = set(f.keys())
                 for key in keys:
                     shapes[key] = tuple(f.get_slice(key).get_shape()) if key in present else None
@@ -102,7 +119,7 @@ class HFCheckpoint:
     def iter_tensors(self) -> Iterator[tuple[str, Path, torch.Tensor]]:
         """(HF key, file, full tensor) for every tensor, one at a time, file by file."""
         for path, keys in self.keys_by_file().items():
-            with safe_open(path, framework="pt") as f:
+            with _safe_open_named(path, framework="pt") as f:
                 for key in keys:
                     yield key, path, f.get_tensor(key)
 
@@ -238,7 +255,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike,
     by_file = checkpoint.keys_by_file([hf_key_of[name] for name in params if name in hf_key_of])
     with torch.no_grad():
         for path, hf_keys in by_file.items():
-            with safe_open(path, framework="pt") as f:
+            with _safe_open_named(path, framework="pt") as f:
                 for hf_key in hf_keys:
                     report.bytes_read += _read_into(params[native_of[hf_key]], f, hf_key)
                     report.loaded.append(native_of[hf_key])
