@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from .processing import PromptInputs, encode_prompt
-from .records import BadSampleError, PromptRecord, load_images, load_video_frames
+from .media import build_interleaved_messages, load_media
+from .processing import DEFAULT_VIDEO_FPS, PromptInputs, encode_prompt
+from .records import BadSampleError, PromptRecord
+from .video import VideoBudget
 
 log = logging.getLogger(__name__)
 
@@ -22,19 +24,24 @@ class EncodedBatch:
 
 
 class PromptEncoder:
-    def __init__(self, processor, max_prompt_tokens: int, system: str | None = None):
+    def __init__(self, processor, max_prompt_tokens: int, system: str | None = None,
+                 video_budget: VideoBudget | None = None, frames_fps: float = DEFAULT_VIDEO_FPS):
         self.processor = processor
         self.max_prompt_tokens = max_prompt_tokens
         self.system = system
+        factor = processor.image_processor.patch_size * processor.image_processor.merge_size
+        self.video_budget = video_budget or VideoBudget(factor=factor)
+        self.frames_fps = frames_fps
         self.skipped_total = 0
 
     def encode(self, record: PromptRecord) -> PromptInputs:
         """Encode one record; raises BadSampleError for unreadable media or a prompt over the token budget."""
-        media = load_images(record) or []
-        frames = load_video_frames(record)
-        images = media[:len(record.images)]
-        prompt = encode_prompt(self.processor, record.prompt, images=images or None,
-                               videos=[frames] if frames else None, system=self.system)
+        media = load_media(record, self.video_budget, self.frames_fps)
+        messages = build_interleaved_messages(record.prompt, len(media.images), len(media.videos), self.system,
+                                              record_id=record.id)
+        prompt = encode_prompt(self.processor, record.prompt, images=media.images or None,
+                               videos=media.videos or None, system=self.system,
+                               video_fps=[1.0 / s for s in media.video_seconds_per_frame], messages=messages)
         if len(prompt.input_ids) > self.max_prompt_tokens:
             raise BadSampleError(record.id, "", f"prompt has {len(prompt.input_ids)} tokens, over "
                                                 f"data.max_prompt_tokens={self.max_prompt_tokens}")

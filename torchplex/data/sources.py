@@ -1,0 +1,209 @@
+"""Where prompt records come from: JSONL files, and Parquet / Arrow / CSV / JSON files read by HF `datasets`.
+
+    [data]
+    train_files = ["data/geometry3k/train-*.parquet"]   # globs; several files are concatenated
+    eval_files = ["data/geometry3k/test.parquet"]
+    prompt_key = "problem"                                # column names, as verl/EasyR1 spell them
+    answer_key = "answer"
+    image_key = "images"
+    video_key = "videos"
+
+A row's images may be paths, encoded bytes, or `datasets` Image values ({"bytes": ..., "path": ...}; read with
+decode=False, so nothing is decoded before its batch); one image or a list. Videos are file paths (one or a
+list) or a list of frame paths for one pre-extracted video (a list whose items are images, not video files).
+Relative paths resolve against the folder of the file that names them. Prompts may place media with
+`<image>` / `<video>` (data/media.py).
+
+JSONL files keep their own reader (data/records.py) when the keys are the default ones: line numbers in its
+messages, and no Arrow schema to trip over rows whose answers are sometimes numbers and sometimes strings. Other
+formats, and JSONL with custom keys, go through `rows_to_records` here.
+
+Records that cannot be used are skipped, counted and warned about once per file (`BadRecords`), so one bad row
+does not end a run.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from .records import PromptRecord, read_records_report
+
+log = logging.getLogger(__name__)
+
+VIDEO_SUFFIXES = {".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg", ".gif"}
+_DATASETS_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json",
+                      ".jsonl": "json", ".tsv": "csv"}
+
+
+@dataclass(frozen=True)
+class ColumnKeys:
+    prompt: str = "prompt"
+    answer: str = "answer"
+    images: str = "images"
+    videos: str = "videos"
+    id: str = "id"
+
+    @property
+    def is_default(self) -> bool:
+        return self == ColumnKeys()
+
+
+class BadRecords:
+    """Skip + count + warn once per file, naming the first bad record and why; the one place records are dropped
+    while reading (the trainer's bad-sample count covers media that fail later, at encoding)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def skip(self, file: str, record_id: str, reason: str) -> None:
+        if not self.counts[file]:
+            log.warning("%s: skipping bad record %s: %s (further bad records of this file are counted, not shown)",
+                        file, record_id, reason)
+        self.counts[file] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def summary(self) -> None:
+        for file, count in self.counts.items():
+            log.warning("%s: %d bad record(s) skipped", file, count)
+
+
+def expand_files(patterns: Iterable[str]) -> list[Path]:
+    """Glob patterns -> files in a stable order; a pattern matching nothing is an error (a typo, not no data)."""
+    files: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(str(Path(pattern).expanduser()), recursive=True))
+        if not matches:
+            raise FileNotFoundError(f"data file pattern {pattern!r} matches no file (cwd: {Path.cwd()})")
+        files += [Path(m) for m in matches if Path(m).is_file()]
+    return files
+
+
+def _resolve(folder: Path, path: str) -> str:
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else folder / p)
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _image_source(value: Any, folder: Path) -> str | bytes:
+    if isinstance(value, dict):  # datasets' Image(decode=False): bytes win, the path may be a bare file name
+        if value.get("bytes"):
+            return bytes(value["bytes"])
+        value = value.get("path")
+    if isinstance(value, (bytes, bytearray)) and value:
+        return bytes(value)
+    if isinstance(value, str) and value:
+        return _resolve(folder, value)
+    raise ValueError(f"an image must be a path, bytes or {{'bytes', 'path'}}, got {type(value).__name__}")
+
+
+def row_to_record(row: dict[str, Any], keys: ColumnKeys, folder: Path, default_id: str) -> PromptRecord:
+    """One dataset row as a record; raises ValueError naming what is wrong."""
+    prompt = row.get(keys.prompt)
+    if isinstance(prompt, list):  # verl stores chat messages; the user turn's text is the prompt
+        prompt = "".join(m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"missing or empty prompt column {keys.prompt!r}")
+    answer = row.get(keys.answer)
+    if isinstance(answer, dict) and "ground_truth" in answer:  # verl's reward_model column
+        answer = answer["ground_truth"]
+    if answer is None or isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError(f"answer column {keys.answer!r} must be a string or number, got {answer!r}")
+    images = [_image_source(v, folder) for v in _as_list(row.get(keys.images))]
+    videos, frames = [], None
+    for item in _as_list(row.get(keys.videos)):
+        if isinstance(item, (list, tuple)):  # one video given as its frame paths
+            if frames is not None or not item:
+                raise ValueError("only one non-empty frame-list video per record is supported")
+            frames = [_resolve(folder, str(p)) for p in item]
+        elif isinstance(item, str) and item:
+            videos.append(_resolve(folder, item))
+        else:
+            raise ValueError(f"a video must be a file path or a list of frame paths, got {item!r}")
+    if frames is None and videos and all(Path(v).suffix.lower() not in VIDEO_SUFFIXES for v in videos):
+        frames, videos = videos, []  # a flat list of frame images (EasyR1 writes frame folders this way)
+    record_id = row.get(keys.id, default_id)
+    known = {keys.prompt, keys.answer, keys.images, keys.videos, keys.id}
+    meta = {k: v for k, v in row.items() if k not in known and _jsonable(v)}
+    return PromptRecord(id=str(record_id), prompt=prompt, answer=str(answer), images=images, video=frames,
+                        videos=videos, task=str(row.get("task", "") or ""), meta=meta)
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _no_image_decoding(ds):
+    """Cast every `datasets` Image column (alone or in a list) to decode=False: bytes stay bytes until a batch
+    needs them."""
+    from datasets import Image as ImageFeature
+
+    for name, feature in ds.features.items():
+        inner = getattr(feature, "feature", None)
+        if isinstance(feature, ImageFeature):
+            ds = ds.cast_column(name, ImageFeature(decode=False))
+        elif isinstance(inner, ImageFeature):
+            feature.feature = ImageFeature(decode=False)
+            ds = ds.cast_column(name, feature)
+    return ds
+
+
+def _dataset_rows(path: Path) -> Iterable[dict[str, Any]]:
+    from datasets import load_dataset
+
+    builder = _DATASETS_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise ValueError(f"{path}: unknown data file type {path.suffix!r}; use one of {sorted(_DATASETS_BUILDERS)}")
+    kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
+    ds = load_dataset(builder, data_files=str(path), split="train", **kwargs)
+    return _no_image_decoding(ds)
+
+
+def read_file(path: Path, keys: ColumnKeys, bad: BadRecords) -> list[PromptRecord]:
+    if path.suffix.lower() == ".jsonl" and keys.is_default:
+        report = read_records_report(path, on_error="skip")
+        for skipped in report.skipped:
+            bad.skip(str(path), f"line {skipped.line_no}", skipped.reason)
+        return report.records
+    folder = path.resolve().parent
+    records = []
+    for index, row in enumerate(_dataset_rows(path)):
+        default_id = f"{path.stem}:{index}"
+        try:
+            records.append(row_to_record(row, keys, folder, default_id))
+        except ValueError as e:
+            bad.skip(str(path), str(row.get(keys.id, default_id)), str(e))
+    return records
+
+
+def load_records(patterns: Iterable[str], keys: ColumnKeys = ColumnKeys(),
+                 bad: BadRecords | None = None) -> list[PromptRecord]:
+    """Every record of every file the patterns match, in file order; ids are made unique per file set."""
+    bad = bad if bad is not None else BadRecords()
+    records: list[PromptRecord] = []
+    seen: set[str] = set()
+    for path in expand_files(patterns):
+        for record in read_file(path, keys, bad):
+            if record.id in seen:
+                bad.skip(str(path), record.id, "duplicate id")
+                continue
+            seen.add(record.id)
+            records.append(record)
+    return records
