@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -30,7 +31,15 @@ class PromptEncoder:
         self.max_prompt_tokens = max_prompt_tokens
         self.system = system
         factor = processor.image_processor.patch_size * processor.image_processor.merge_size
-        self.video_budget = video_budget or VideoBudget(factor=factor)
+        budget = video_budget or VideoBudget(factor=factor)
+        # Frames are resized once, here, within the processor's own video pixel bounds: its smart-resize then
+        # keeps them as they are instead of resizing a second time.
+        size = getattr(getattr(processor, "video_processor", None), "size", None) or {}
+        low, high = size.get("shortest_edge"), size.get("longest_edge")
+        if low and high:
+            budget = dataclasses.replace(budget, min_pixels=max(budget.min_pixels, low),
+                                         max_pixels=max(min(budget.max_pixels, high), max(budget.min_pixels, low)))
+        self.video_budget = budget
         self.frames_fps = frames_fps
         self.skipped_total = 0
 

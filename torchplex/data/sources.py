@@ -142,6 +142,17 @@ def row_to_record(row: dict[str, Any], keys: ColumnKeys, folder: Path, default_i
                         videos=videos, task=str(row.get("task", "") or ""), meta=meta)
 
 
+def _with_video_files(record: PromptRecord, folder: Path) -> PromptRecord:
+    videos = record.meta.pop("videos", None)
+    if videos is None:
+        return record
+    videos = _as_list(videos)
+    if not all(isinstance(v, str) and v for v in videos):
+        raise ValueError(f"key 'videos' must be a video file path or a list of them, got {videos!r}")
+    record.videos = [_resolve(folder, v) for v in videos]
+    return record
+
+
 def _jsonable(value: Any) -> bool:
     try:
         json.dumps(value)
@@ -181,7 +192,13 @@ def read_file(path: Path, keys: ColumnKeys, bad: BadRecords) -> list[PromptRecor
         report = read_records_report(path, on_error="skip")
         for skipped in report.skipped:
             bad.skip(str(path), f"line {skipped.line_no}", skipped.reason)
-        return report.records
+        records = []
+        for record in report.records:  # that reader keeps unknown keys in meta; video files are ours
+            try:
+                records.append(_with_video_files(record, path.resolve().parent))
+            except ValueError as e:
+                bad.skip(str(path), record.id, str(e))
+        return records
     folder = path.resolve().parent
     records = []
     for index, row in enumerate(_dataset_rows(path)):
