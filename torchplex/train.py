@@ -12,6 +12,7 @@ its G samples) or "overlapped" (decomposed, with the actor prefix fused into the
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -29,14 +30,18 @@ from .components.optim import build_lr_scheduler, build_optimizer, clip_grad_nor
 from .config import Config, load_config
 from .data.processing import load_processor
 from .data.prompts import EncodedBatch, PromptEncoder
-from .data.records import PromptStream, read_records
+from .data.records import PromptStream
+from .data.sources import BadRecords, ColumnKeys, load_records
 from .data.synthetic import generate_synthetic_task
+from .data.synthetic_video import generate_video_task
+from .data.video import VideoBudget
 from .distributed.mesh import build_parallel_dims, destroy_distributed, init_distributed
 from .models.qwen2_5_vl.build import build_model
 from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl, reshard
 from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
+from .evaluation import EvalSet, Evaluator
 from .rl.losses import PolicyLossConfig
-from .rl.rewards import format_reward, is_correct
+from .rl.reward_functions import RewardLedger, reward_answers
 from .rollout.sampling import SamplingParams, sample_seeds
 from .runtime.executor import StepRunner, StepSettings
 from .runtime.memory import MemoryManager, MemoryPlan, module_group, optimizer_state_group
@@ -90,9 +95,18 @@ class Trainer:
         self.tokenizer = self.processor.tokenizer
         self.eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.pad_id = self.tokenizer.pad_token_id or 0
-        self.encoder = PromptEncoder(self.processor, cfg.data.max_prompt_tokens)
+        d = cfg.data
+        factor = self.processor.image_processor.patch_size * self.processor.image_processor.merge_size
+        video_budget = VideoBudget(fps=d.video_fps, min_frames=d.video_min_frames, max_frames=d.video_max_frames,
+                                   min_pixels=d.video_min_pixels, max_pixels=d.video_max_pixels,
+                                   total_pixels=d.video_total_pixels, factor=factor)
+        self.encoder = PromptEncoder(self.processor, cfg.data.max_prompt_tokens, video_budget=video_budget)
 
-        self.train_records, self.eval_records = self._load_data()
+        self.train_records, eval_sets = self._load_data()
+        self.eval_records = [r for s in eval_sets for r in s.records]
+        self.evaluator = Evaluator(eval_sets, self.encoder, cfg.reward.correct, d.eval_k, d.eval_prompts,
+                                   local=self._local, mean=self._mean)
+        self.reward_ledger = RewardLedger(cfg.reward.max_failure_fraction)
         self.stream = PromptStream(self.train_records, cfg.data.prompts_per_step, seed=cfg.job.seed,
                                    shuffle=cfg.data.shuffle)
 
@@ -116,7 +130,9 @@ class Trainer:
                                                cfg.training.steps, cfg.lr_scheduler.min_lr_ratio)
         self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.folder, cfg.checkpoint.interval,
                                              cfg.checkpoint.keep_latest_k, cfg.checkpoint.enable)
-        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.metrics.tensorboard, rank=self.rank)
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.metrics.tensorboard, rank=self.rank,
+                                     wandb_project=cfg.metrics.wandb_project if cfg.metrics.wandb else None,
+                                     run_name=cfg.job.name, config=cfg.to_dict())
         a = cfg.algorithm
         loss_cfg = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, importance=a.importance,
                                     loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
@@ -174,19 +190,31 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-    def _load_data(self):
+    def _load_data(self) -> tuple[list, list[EvalSet]]:
         d = self.cfg.data
+        keys = ColumnKeys(prompt=d.prompt_key, answer=d.answer_key, images=d.image_key, videos=d.video_key)
+        bad = BadRecords()
+        if d.train_files:  # users' own data (data/sources.py): one eval set per eval_files entry
+            train = load_records(d.train_files, keys, bad)
+            evals = [EvalSet(Path(p).stem.split("*")[0].rstrip("-_.") or f"set{i}", load_records([p], keys, bad))
+                     for i, p in enumerate(d.eval_files)]
+            bad.summary()
+            return train, evals
         if d.train_file:
             train_path, eval_path = Path(d.train_file), Path(d.eval_file) if d.eval_file else None
         else:
+            if d.synthetic_task == "video_counting":
+                generate = functools.partial(generate_video_task, size=(56, 56), num_frames=8, fps=4)
+            else:
+                generate = functools.partial(generate_synthetic_task, image_size=(112, 112))
             if self.rank == 0:
-                generate_synthetic_task(d.synthetic_dir, d.synthetic_train, d.synthetic_eval, seed=self.cfg.job.seed,
-                                        image_size=(112, 112))
+                generate(d.synthetic_dir, d.synthetic_train, d.synthetic_eval, seed=self.cfg.job.seed)
             self._barrier()
-            train_path, eval_path = generate_synthetic_task(d.synthetic_dir, d.synthetic_train, d.synthetic_eval,
-                                                            seed=self.cfg.job.seed, image_size=(112, 112))
-        train = read_records(train_path, on_error="skip")
-        evals = read_records(eval_path, on_error="skip") if eval_path else []
+            train_path, eval_path = generate(d.synthetic_dir, d.synthetic_train, d.synthetic_eval,
+                                             seed=self.cfg.job.seed)
+        train = load_records([str(train_path)], keys, bad)
+        evals = [EvalSet("eval", load_records([str(eval_path)], keys, bad), legacy=True)] if eval_path else []
+        bad.summary()
         return train, evals
 
     def _local(self, items: list) -> list:
@@ -244,16 +272,16 @@ class Trainer:
 
     # ---- evaluation ------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        records = self._local(self.eval_records[:self.cfg.data.eval_prompts])
-        batch = self.encoder.encode_batch(records)
-        if not batch.prompts and self.dp_group is None:
-            return {}  # with several ranks, one without prompts still joins the collectives (an empty rollout)
-        outputs = self.engine.generate(batch.prompts, self.sampling_params(greedy=True, n=1))
+        """Every eval set (evaluation.py); logs one summary line."""
+        return self.evaluator.run(self._generate_texts)
+
+    def _generate_texts(self, prompts: list, greedy: bool, n: int) -> list[list[str]]:
+        if not prompts and self.dp_group is None:
+            return []  # with several ranks, one without prompts still joins the collectives (an empty rollout)
+        outputs = self.engine.generate(prompts, self.sampling_params(greedy=greedy, n=n))
         reshard(self.actor)
-        texts = self.tokenizer.batch_decode([o[0].token_ids for o in outputs], skip_special_tokens=True)
-        correct = [float(is_correct(t, r.answer)) for t, r in zip(texts, batch.records)]
-        formatted = [format_reward(t, r.answer) for t, r in zip(texts, batch.records)]
-        return {"eval/accuracy": self._mean(correct), "eval/format": self._mean(formatted)}
+        return [self.tokenizer.batch_decode([o.token_ids for o in group], skip_special_tokens=True)
+                for group in outputs]
 
     def _equal_share(self, batch: EncodedBatch) -> EncodedBatch:
         """The batch cut to the fewest prompts any data-parallel rank has (skipped bad samples make shares unequal).
@@ -316,7 +344,7 @@ class Trainer:
         if not batch.prompts:  # the same on every rank (_equal_share)
             return metrics, False
         params = self.sampling_params()
-        out = self.runner.run(batch.prompts, [r.answer for r in batch.records], params,
+        out = self.runner.run(batch.prompts, reward_answers(batch.records, self.reward_ledger), params,
                               sample_seeds=self.sample_seeds(params, global_indices), phase_timer=timer)
         exp, result = out.experience, out.train
         rewards = exp.rewards
@@ -328,6 +356,7 @@ class Trainer:
             "groups/kept_fraction": self._mean(exp.keep_groups.float().tolist()),
             "lr": self.optimizer.param_groups[0]["lr"],
             "skipped/nonfinite_steps": float(result.skipped_nonfinite),
+            "reward/failures": self._sum(float(self.reward_ledger.failures)),
         })
         metrics.update(self._token_metrics())
         for name, values in exp.reward_parts.items():
