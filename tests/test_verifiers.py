@@ -52,6 +52,7 @@ def test_math_verifier_rejects_different_answers(response, reference):
 @pytest.mark.parametrize("response, answer, expected", [
     ("<answer>B</answer>", "B", 1.0), ("<answer>(C) a cat</answer>", "C", 1.0), ("The answer is D.", "D", 1.0),
     ("<answer>B. the red one</answer>", "(B)", 1.0), ("<answer>A</answer>", "B", 0.0), ("I do not know", "A", 0.0),
+    ("<think>hmm</think><answer>B</answer>", "<answer>B</answer>", 1.0),  # Video-R1 tags its references
 ])
 def test_multiple_choice(response, answer, expected):
     assert verifiers.multiple_choice_reward(response, answer) == expected

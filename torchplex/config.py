@@ -77,6 +77,7 @@ class DataConfig:
     answer_key: str = "answer"
     image_key: str = "images"
     video_key: str = "videos"
+    prompt_suffix: str = ""  # appended to every prompt, e.g. the answer-format instruction of a public recipe
     # mean@k / pass@k with this many samples per eval prompt at rollout.temperature (0 = greedy accuracy only)
     eval_k: int = 0
     # Video files (data/video.py), qwen-vl-utils' budgets: frames per second sampled, frame count bounds,

@@ -199,6 +199,9 @@ class Trainer:
             evals = [EvalSet(Path(p).stem.split("*")[0].rstrip("-_.") or f"set{i}", load_records([p], keys, bad))
                      for i, p in enumerate(d.eval_files)]
             bad.summary()
+            if d.prompt_suffix:
+                for record in [*train, *(r for s in evals for r in s.records)]:
+                    record.prompt = f"{record.prompt} {d.prompt_suffix}"
             return train, evals
         if d.train_file:
             train_path, eval_path = Path(d.train_file), Path(d.eval_file) if d.eval_file else None

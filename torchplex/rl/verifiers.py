@@ -3,7 +3,7 @@ box IoU, and the `<think>...</think><answer>...</answer>` format.
 
 Each has the built-in signature `fn(response, answer) -> float`. Where a response has `<answer>` tags their last
 content is what is checked (rl/rewards.py's rule); without tags the whole response is, so `\\boxed{}` answers of
-math recipes work too.
+math recipes work too. References get the same treatment (Video-R1 stores "<answer>B</answer>").
 
 Math equivalence is math-verify's (Hugging Face's parser + sympy comparison used by open-r1/EasyR1), not our own
 parsing: "\\frac{1}{2}", "0.5" and "\\boxed{1/2}" agree; "x = 2" agrees with "2". Its timeouts use SIGALRM, which
@@ -56,7 +56,7 @@ def math_reward(response: str, answer: str) -> float:
     text = answer_text(response)
     if "\\boxed" not in text and "$" not in text and extract_answer(response) is not None:
         text = f"${text}$"  # a tagged bare answer ("\\frac{1}{2}") is LaTeX without delimiters
-    return 1.0 if math_equal(text, answer) else 0.0
+    return 1.0 if math_equal(text, answer_text(answer)) else 0.0
 
 
 # ---- multiple choice -----------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def extract_choice(text: str) -> str | None:
 
 
 def multiple_choice_reward(response: str, answer: str) -> float:
-    predicted, reference = extract_choice(answer_text(response)), extract_choice(answer)
+    predicted, reference = extract_choice(answer_text(response)), extract_choice(answer_text(answer))
     return 1.0 if predicted is not None and predicted == reference else 0.0
 
 
@@ -89,7 +89,7 @@ def numeric_equal(predicted: float, reference: float, rel_tol: float = 1e-3, abs
 
 
 def numeric_reward(response: str, answer: str, rel_tol: float = 1e-3) -> float:
-    predicted, reference = parse_number(answer_text(response)), parse_number(answer)
+    predicted, reference = parse_number(answer_text(response)), parse_number(answer_text(answer))
     if predicted is None or reference is None:
         return 0.0
     return 1.0 if numeric_equal(predicted, reference, rel_tol) else 0.0
@@ -114,7 +114,7 @@ def box_iou(a: tuple[float, float, float, float], b: tuple[float, float, float, 
 
 
 def iou_reward(response: str, answer: str) -> float:
-    predicted, reference = parse_box(answer_text(response)), parse_box(answer)
+    predicted, reference = parse_box(answer_text(response)), parse_box(answer_text(answer))
     return box_iou(predicted, reference) if predicted and reference else 0.0
 
 
