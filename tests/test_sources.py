@@ -15,7 +15,7 @@ from torchplex.data.media import build_interleaved_messages, open_image
 from torchplex.data.processing import load_processor
 from torchplex.data.prompts import PromptEncoder
 from torchplex.data.records import BadSampleError, PromptRecord
-from torchplex.data.sources import BadRecords, ColumnKeys, expand_files, load_records
+from torchplex.data.sources import BadRecords, ColumnKeys, expand_files, load_records, set_name
 
 
 def png_bytes(colour: str, size=(40, 30)) -> bytes:
@@ -112,3 +112,10 @@ def test_corrupt_image_bytes_are_a_bad_sample_not_a_crash(processor):
     broken = PromptRecord(id="broken", prompt="p", answer="1", images=[png_bytes("red")[:40]])
     batch = encoder.encode_batch([good, broken])
     assert [r.id for r in batch.records] == ["good"] and batch.skipped[0].record_id == "broken"
+
+
+def test_eval_set_names_and_prompt_suffix(tmp_path):
+    assert [set_name(p) for p in ("data/test-*.parquet", "geo/test.parquet", "x/*.jsonl")] == ["test", "test", "x"]
+    (tmp_path / "r.jsonl").write_text(json.dumps({"prompt": "Find x.", "answer": "2"}) + "\n")
+    [record] = load_records([str(tmp_path / "r.jsonl")], prompt_suffix="Answer in \\boxed{}.")
+    assert record.prompt == "Find x. Answer in \\boxed{}."

@@ -31,7 +31,7 @@ from .config import Config, load_config
 from .data.processing import load_processor
 from .data.prompts import EncodedBatch, PromptEncoder
 from .data.records import PromptStream
-from .data.sources import BadRecords, ColumnKeys, load_records
+from .data.sources import BadRecords, ColumnKeys, load_records, set_name
 from .data.synthetic import generate_synthetic_task
 from .data.synthetic_video import generate_video_task
 from .data.video import VideoBudget
@@ -41,7 +41,7 @@ from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl, reshard
 from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
 from .evaluation import EvalSet, Evaluator
 from .rl.losses import PolicyLossConfig
-from .rl.reward_functions import RewardLedger, reward_answers
+from .rl.reward_functions import RewardLedger, get_reward, reward_answers
 from .rollout.sampling import SamplingParams, sample_seeds
 from .runtime.executor import StepRunner, StepSettings
 from .runtime.memory import MemoryManager, MemoryPlan, module_group, optimizer_state_group
@@ -107,6 +107,8 @@ class Trainer:
         self.evaluator = Evaluator(eval_sets, self.encoder, cfg.reward.correct, d.eval_k, d.eval_prompts,
                                    local=self._local, mean=self._mean)
         self.reward_ledger = RewardLedger(cfg.reward.max_failure_fraction)
+        for name in cfg.reward.functions:  # a misspelled name or import path fails now, not after the first rollout
+            get_reward(name)
         self.stream = PromptStream(self.train_records, cfg.data.prompts_per_step, seed=cfg.job.seed,
                                    shuffle=cfg.data.shuffle)
 
@@ -194,14 +196,11 @@ class Trainer:
         d = self.cfg.data
         keys = ColumnKeys(prompt=d.prompt_key, answer=d.answer_key, images=d.image_key, videos=d.video_key)
         bad = BadRecords()
+        load = functools.partial(load_records, keys=keys, bad=bad, prompt_suffix=d.prompt_suffix)
         if d.train_files:  # users' own data (data/sources.py): one eval set per eval_files entry
-            train = load_records(d.train_files, keys, bad)
-            evals = [EvalSet(Path(p).stem.split("*")[0].rstrip("-_.") or f"set{i}", load_records([p], keys, bad))
-                     for i, p in enumerate(d.eval_files)]
+            train = load(d.train_files)
+            evals = [EvalSet(set_name(p), load([p])) for p in d.eval_files]
             bad.summary()
-            if d.prompt_suffix:
-                for record in [*train, *(r for s in evals for r in s.records)]:
-                    record.prompt = f"{record.prompt} {d.prompt_suffix}"
             return train, evals
         if d.train_file:
             train_path, eval_path = Path(d.train_file), Path(d.eval_file) if d.eval_file else None
@@ -215,8 +214,8 @@ class Trainer:
             self._barrier()
             train_path, eval_path = generate(d.synthetic_dir, d.synthetic_train, d.synthetic_eval,
                                              seed=self.cfg.job.seed)
-        train = load_records([str(train_path)], keys, bad)
-        evals = [EvalSet("eval", load_records([str(eval_path)], keys, bad), legacy=True)] if eval_path else []
+        train = load([str(train_path)])
+        evals = [EvalSet("eval", load([str(eval_path)]), legacy=True)] if eval_path else []
         bad.summary()
         return train, evals
 

@@ -210,9 +210,15 @@ def read_file(path: Path, keys: ColumnKeys, bad: BadRecords) -> list[PromptRecor
     return records
 
 
-def load_records(patterns: Iterable[str], keys: ColumnKeys = ColumnKeys(),
-                 bad: BadRecords | None = None) -> list[PromptRecord]:
-    """Every record of every file the patterns match, in file order; ids are made unique per file set."""
+def set_name(pattern: str) -> str:
+    """An eval set's name from its file pattern: "data/test-*.parquet" -> "test"."""
+    return Path(pattern).stem.split("*")[0].rstrip("-_.") or Path(pattern).parent.name or "eval"
+
+
+def load_records(patterns: Iterable[str], keys: ColumnKeys = ColumnKeys(), bad: BadRecords | None = None,
+                 prompt_suffix: str = "") -> list[PromptRecord]:
+    """Every record of every file the patterns match, in file order; a repeated id is a bad record.
+    `prompt_suffix` is appended to every prompt (a recipe's answer-format instruction)."""
     bad = bad if bad is not None else BadRecords()
     records: list[PromptRecord] = []
     seen: set[str] = set()
@@ -222,5 +228,7 @@ def load_records(patterns: Iterable[str], keys: ColumnKeys = ColumnKeys(),
                 bad.skip(str(path), record.id, "duplicate id")
                 continue
             seen.add(record.id)
+            if prompt_suffix:
+                record.prompt = f"{record.prompt} {prompt_suffix}"
             records.append(record)
     return records
