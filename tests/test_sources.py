@@ -15,7 +15,7 @@ from torchplex.data.media import build_interleaved_messages, open_image
 from torchplex.data.processing import load_processor
 from torchplex.data.prompts import PromptEncoder
 from torchplex.data.records import BadSampleError, PromptRecord
-from torchplex.data.sources import BadRecords, ColumnKeys, expand_files, load_records, set_name
+from torchplex.data.sources import BadRecords, ColumnKeys, StoredImage, expand_files, load_records, set_name
 
 
 def png_bytes(colour: str, size=(40, 30)) -> bytes:
@@ -46,8 +46,18 @@ def test_parquet_with_image_bytes_several_per_record_and_custom_keys(tmp_path):
     records = load_records([str(tmp_path / "train-*.parquet")], ColumnKeys(prompt="problem"))
     assert [r.id for r in records] == ["train-0:0", "train-0:1", "train-1:0"]
     assert [len(r.images) for r in records] == [2, 1, 1]
-    assert all(isinstance(i, bytes) for r in records for i in r.images)  # not decoded while reading
+    # left in the memory-mapped Arrow table, not copied into the records, until a batch opens them
+    assert all(isinstance(i, StoredImage) for r in records for i in r.images)
     assert open_image("x", records[0].images[1]).getpixel((0, 0)) == (0, 0, 255)
+    assert open_image("x", records[2].images[0]).getpixel((0, 0)) == (255, 0, 0)
+
+
+def test_jsonl_with_custom_keys_reads_mixed_answer_types_line_by_line(tmp_path):
+    rows = [{"question": "a?", "label": 3}, {"question": "b?", "label": "three"}, {"question": "c?"}]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bad = BadRecords()
+    records = load_records([str(tmp_path / "mixed.jsonl")], ColumnKeys(prompt="question", answer="label"), bad)
+    assert [(r.id, r.answer) for r in records] == [("mixed:1", "3"), ("mixed:2", "three")] and bad.total == 1
 
 
 def test_image_given_as_a_path_in_a_datasets_dict_resolves_next_to_the_file(tmp_path):

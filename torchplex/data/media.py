@@ -23,7 +23,10 @@ _PLACEHOLDER_RE = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_
 
 
 def open_image(record_id: str, source: str | bytes | dict) -> Image.Image:
-    """An RGB image from a path, encoded bytes, or an HF `datasets` Image dict {"bytes": ..., "path": ...}."""
+    """An RGB image from a path, encoded bytes, an HF `datasets` Image dict {"bytes": ..., "path": ...}, or an
+    image left in its Arrow table (data/sources.py's StoredImage)."""
+    if hasattr(source, "load_image_bytes"):
+        source = source.load_image_bytes()
     if isinstance(source, dict):
         source = source.get("bytes") or source.get("path") or ""
     where = source if isinstance(source, str) else f"<{len(source)} bytes>"

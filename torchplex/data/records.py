@@ -42,8 +42,8 @@ class PromptRecord:
     id: str
     prompt: str
     answer: str
-    # Paths, or encoded bytes (Parquet/Arrow sources: data/sources.py); opened by data/media.py.
-    images: list[str | bytes] = field(default_factory=list)
+    # Paths, encoded bytes, or images left in an Arrow table (data/sources.py); opened by data/media.py.
+    images: list[Any] = field(default_factory=list)
     # Frame paths of one video, in temporal order; None when the record has no video.
     video: list[str] | None = None
     # Video files (mp4 and the like), decoded and sampled by data/video.py.

@@ -9,14 +9,14 @@
     video_key = "videos"
 
 A row's images may be paths, encoded bytes, or `datasets` Image values ({"bytes": ..., "path": ...}; read with
-decode=False, so nothing is decoded before its batch); one image or a list. Videos are file paths (one or a
+decode=False and left in the memory-mapped Arrow table, `StoredImage`, until their batch); one image or a list. Videos are file paths (one or a
 list) or a list of frame paths for one pre-extracted video (a list whose items are images, not video files).
 Relative paths resolve against the folder of the file that names them. Prompts may place media with
 `<image>` / `<video>` (data/media.py).
 
-JSONL files keep their own reader (data/records.py) when the keys are the default ones: line numbers in its
-messages, and no Arrow schema to trip over rows whose answers are sometimes numbers and sometimes strings. Other
-formats, and JSONL with custom keys, go through `rows_to_records` here.
+JSONL files are read line by line, never through Arrow (whose one schema per file trips over answers that are
+sometimes numbers and sometimes strings): with the default keys by data/records.py's reader, with custom keys by
+`row_to_record` here. Other formats go through `datasets`.
 
 Records that cannot be used are skipped, counted and warned about once per file (`BadRecords`), so one bad row
 does not end a run.
@@ -98,10 +98,25 @@ def _as_list(value: Any) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _image_source(value: Any, folder: Path) -> str | bytes:
+@dataclass(frozen=True)
+class StoredImage:
+    """An image kept in its (memory-mapped) Arrow table until a batch needs it: a Parquet set of many GB of
+    image bytes then costs no host memory per record."""
+
+    dataset: Any  # a datasets.Dataset with the image column cast to decode=False
+    row: int
+    column: str
+    index: int | None  # position in a list column; None for a single-image column
+
+    def load_image_bytes(self) -> bytes:
+        value = self.dataset[self.row][self.column]
+        return bytes((value if self.index is None else value[self.index])["bytes"])
+
+
+def _image_source(value: Any, folder: Path, stored: StoredImage | None = None) -> str | bytes | StoredImage:
     if isinstance(value, dict):  # datasets' Image(decode=False): bytes win, the path may be a bare file name
         if value.get("bytes"):
-            return bytes(value["bytes"])
+            return stored if stored is not None else bytes(value["bytes"])
         value = value.get("path")
     if isinstance(value, (bytes, bytearray)) and value:
         return bytes(value)
@@ -110,8 +125,10 @@ def _image_source(value: Any, folder: Path) -> str | bytes:
     raise ValueError(f"an image must be a path, bytes or {{'bytes', 'path'}}, got {type(value).__name__}")
 
 
-def row_to_record(row: dict[str, Any], keys: ColumnKeys, folder: Path, default_id: str) -> PromptRecord:
-    """One dataset row as a record; raises ValueError naming what is wrong."""
+def row_to_record(row: dict[str, Any], keys: ColumnKeys, folder: Path, default_id: str,
+                  dataset: Any = None, row_index: int = 0) -> PromptRecord:
+    """One dataset row as a record; raises ValueError naming what is wrong. With `dataset` (the row's source),
+    image bytes stay there (`StoredImage`)."""
     prompt = row.get(keys.prompt)
     if isinstance(prompt, list):  # verl stores chat messages; the user turn's text is the prompt
         prompt = "".join(m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user")
@@ -122,7 +139,13 @@ def row_to_record(row: dict[str, Any], keys: ColumnKeys, folder: Path, default_i
         answer = answer["ground_truth"]
     if answer is None or isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"answer column {keys.answer!r} must be a string or number, got {answer!r}")
-    images = [_image_source(v, folder) for v in _as_list(row.get(keys.images))]
+    raw_images = row.get(keys.images)
+    single = not isinstance(raw_images, (list, tuple))
+
+    def stored(j: int) -> StoredImage | None:
+        return None if dataset is None else StoredImage(dataset, row_index, keys.images, None if single else j)
+
+    images = [_image_source(v, folder, stored(j)) for j, v in enumerate(_as_list(raw_images))]
     videos, frames = [], None
     for item in _as_list(row.get(keys.videos)):
         if isinstance(item, (list, tuple)):  # one video given as its frame paths
@@ -176,7 +199,7 @@ def _no_image_decoding(ds):
     return ds
 
 
-def _dataset_rows(path: Path) -> Iterable[dict[str, Any]]:
+def _open_dataset(path: Path):
     from datasets import load_dataset
 
     builder = _DATASETS_BUILDERS.get(path.suffix.lower())
@@ -185,6 +208,23 @@ def _dataset_rows(path: Path) -> Iterable[dict[str, Any]]:
     kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
     ds = load_dataset(builder, data_files=str(path), split="train", **kwargs)
     return _no_image_decoding(ds)
+
+
+def _jsonl_rows(path: Path, bad: BadRecords) -> Iterable[tuple[int, dict[str, Any]]]:
+    """(line number, object) of a JSONL file read line by line: no Arrow schema, so a column may mix types."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                bad.skip(str(path), f"line {line_no}", f"invalid JSON ({e.msg})")
+                continue
+            if isinstance(row, dict):
+                yield line_no, row
+            else:
+                bad.skip(str(path), f"line {line_no}", f"expected a JSON object, got {type(row).__name__}")
 
 
 def read_file(path: Path, keys: ColumnKeys, bad: BadRecords) -> list[PromptRecord]:
@@ -201,10 +241,15 @@ def read_file(path: Path, keys: ColumnKeys, bad: BadRecords) -> list[PromptRecor
         return records
     folder = path.resolve().parent
     records = []
-    for index, row in enumerate(_dataset_rows(path)):
+    if path.suffix.lower() == ".jsonl":
+        rows, dataset = _jsonl_rows(path, bad), None
+    else:
+        dataset = _open_dataset(path)
+        rows = enumerate(dataset)
+    for index, row in rows:
         default_id = f"{path.stem}:{index}"
         try:
-            records.append(row_to_record(row, keys, folder, default_id))
+            records.append(row_to_record(row, keys, folder, default_id, dataset, index))
         except ValueError as e:
             bad.skip(str(path), str(row.get(keys.id, default_id)), str(e))
     return records
