@@ -30,8 +30,10 @@ class PromptEncoder:
         self.processor = processor
         self.max_prompt_tokens = max_prompt_tokens
         self.system = system
-        factor = processor.image_processor.patch_size * processor.image_processor.merge_size
-        budget = video_budget or VideoBudget(factor=factor)
+        if video_budget is None:
+            image_processor = processor.image_processor
+            video_budget = VideoBudget(factor=image_processor.patch_size * image_processor.merge_size)
+        budget = video_budget
         # Frames are resized once, here, within the processor's own video pixel bounds: its smart-resize then
         # keeps them as they are instead of resizing a second time.
         size = getattr(getattr(processor, "video_processor", None), "size", None) or {}
