@@ -94,6 +94,7 @@ def test_parquet_with_image_bytes_trains_with_a_user_reward(tmp_path, tiny_ckpt,
     for key in ("accuracy", "mean@2", "pass@1", "pass@2"):
         assert 0 <= metrics[2][f"eval/geo_test/{key}"] <= 1
     assert "skipping bad record" in done.stdout + done.stderr  # the empty prompt, skipped while reading
+    assert metrics[1]["skipped/bad_records"] == 1
     assert "eval | geo_test/accuracy" in done.stdout + done.stderr  # per-set metrics on the console
 
 

@@ -195,7 +195,7 @@ class Trainer:
     def _load_data(self) -> tuple[list, list[EvalSet]]:
         d = self.cfg.data
         keys = ColumnKeys(prompt=d.prompt_key, answer=d.answer_key, images=d.image_key, videos=d.video_key)
-        bad = BadRecords()
+        bad = self.bad_records = BadRecords()  # rows dropped while reading; logged as skipped/bad_records
         load = functools.partial(load_records, keys=keys, bad=bad, prompt_suffix=d.prompt_suffix)
         if d.train_files:  # users' own data (data/sources.py): one eval set per eval_files entry
             train = load(d.train_files)
@@ -359,6 +359,7 @@ class Trainer:
             "lr": self.optimizer.param_groups[0]["lr"],
             "skipped/nonfinite_steps": float(result.skipped_nonfinite),
             "reward/failures": self._sum(float(self.reward_ledger.failures)),
+            "skipped/bad_records": float(self.bad_records.total),
         })
         metrics.update(self._token_metrics())
         for name, values in exp.reward_parts.items():
