@@ -114,7 +114,7 @@ def test_a_bad_record_is_warned_about_once_and_counted_every_time(tmp_path, enco
     metrics = tally.metrics()
     assert metrics["skipped/warmup/media"] == 3 and metrics["skipped/eval/media"] == 1
     assert tally.total("warmup") == 3 and tally.total() == 4
-    tally.add_lines("train", "t.jsonl", read_records_report(_bad_lines(tmp_path), on_error="skip").skipped)
+    tally.add_malformed("train", len(read_records_report(_bad_lines(tmp_path), on_error="skip").skipped))
     assert tally.counts["train/malformed"] == 2
     restored = SkipTally()
     restored.load_state_dict(tally.state_dict())

@@ -15,9 +15,9 @@ else:  # pragma: no cover
 
 REPO = Path(__file__).resolve().parents[1]
 # distribution name -> the module it is imported as, where they differ
-IMPORT_NAME = {"pillow": "PIL"}
+IMPORT_NAME = {"pillow": "PIL", "math-verify": "math_verify"}
 # modules only tests, benchmarks or optional back ends use; not part of the runtime dependencies
-OPTIONAL = {"pytest", "sglang", "torchvision", "tomli"}
+OPTIONAL = {"pytest", "sglang", "torchvision", "tomli", "wandb"}
 
 
 def _declared() -> list[str]:

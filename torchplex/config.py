@@ -66,12 +66,33 @@ class DataConfig:
     train_file: str = ""  # "" = generate the synthetic task into synthetic_dir
     eval_file: str = ""
     synthetic_dir: str = "outputs/synthetic"
+    # "shapes": images (data/synthetic.py); "video_counting": mp4 files of moving squares (data/synthetic_video.py)
+    synthetic_task: Literal["shapes", "video_counting"] = "shapes"
     synthetic_train: int = 2000
     synthetic_eval: int = 200
     prompts_per_step: int = 8  # each prompt is sampled rollout.n_samples times
     max_prompt_tokens: int = 1024  # image tokens included
     shuffle: bool = True
-    eval_prompts: int = 64
+    eval_prompts: int = 64  # per eval set
+    # Users' own data (data/sources.py): globs of JSONL / Parquet / Arrow / CSV / JSON files; win over train_file.
+    # Each eval_files entry is one eval set, named after its file stem.
+    train_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    image_key: str = "images"
+    video_key: str = "videos"
+    prompt_suffix: str = ""  # appended to every prompt, e.g. the answer-format instruction of a public recipe
+    # mean@k / pass@k with this many samples per eval prompt at rollout.temperature (0 = greedy accuracy only)
+    eval_k: int = 0
+    # Video files (data/video.py), qwen-vl-utils' budgets: frames per second sampled, frame count bounds,
+    # pixels per frame, and pixels summed over a video's frames (the video-token budget x 28*28*2)
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+    video_total_pixels: int = 90316800  # int(128000 * 28 * 28 * 0.9)
 
 
 @dataclass
@@ -130,6 +151,9 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
 class RewardConfig:
     functions: list[str] = field(default_factory=lambda: ["accuracy", "format"])
     weights: list[float] = field(default_factory=lambda: [1.0, 0.1])  # one per function
+    # entries may be built-ins (rl/verifiers.py) or "module:function" (rl/reward_functions.py)
+    max_failure_fraction: float = 0.1  # stop the run when more of a step's samples than this fail to be scored
+    correct: str = "accuracy"  # the reward whose value 1.0 marks an eval answer correct
 
 
 @dataclass
@@ -174,6 +198,8 @@ class MetricsConfig:
     tensorboard: bool = True
     eval_interval: int = 10  # 0 = no evaluation
     progress_bar: bool = True
+    wandb: bool = False  # Weights & Biases (pip install 'torchplex[wandb]'); WANDB_MODE=offline works without a login
+    wandb_project: str = "torchplex"
 
 
 @dataclass
@@ -376,6 +402,8 @@ _CHECKS = [
     ("algorithm.ppo_epochs", lambda c: c.algorithm.ppo_epochs >= 1, "must be >= 1 (0 epochs train nothing)"),
     ("reward.weights", lambda c: len(c.reward.weights) == len(c.reward.functions),
      "must have one weight per entry of reward.functions"),
+    ("reward.max_failure_fraction", lambda c: 0 <= c.reward.max_failure_fraction <= 1, "must be in [0, 1]"),
+    ("data.eval_k", lambda c: c.data.eval_k >= 0, "must be >= 0"),
     ("parallelism.dp_shard", lambda c: c.parallelism.dp_shard == -1 or c.parallelism.dp_shard >= 1,
      "must be -1 (all remaining ranks) or >= 1"),
     ("parallelism.tp", lambda c: c.parallelism.tp >= 1, "must be >= 1"),

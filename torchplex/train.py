@@ -12,6 +12,7 @@ its G samples) or "overlapped" (decomposed, with the actor prefix fused into the
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -31,15 +32,19 @@ from .components.optim import build_lr_scheduler, build_optimizer, clip_grad_nor
 from .config import Config, ConfigError, load_config
 from .data.processing import load_processor
 from .data.prompts import EncodedBatch, PromptEncoder
-from .data.records import PromptStream, read_records_report
+from .data.records import PromptStream
 from .data.skips import DataError, skip_counts_text
+from .data.sources import BadRecords, ColumnKeys, load_records, set_name
 from .data.synthetic import generate_synthetic_task
+from .data.synthetic_video import generate_video_task
+from .data.video import VideoBudget
 from .distributed.mesh import build_parallel_dims, destroy_distributed, init_distributed
 from .models.qwen2_5_vl.build import build_model
 from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl, reshard
 from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
+from .evaluation import EvalSet, Evaluator
 from .rl.losses import PolicyLossConfig
-from .rl.rewards import format_reward, is_correct
+from .rl.reward_functions import RewardLedger, get_reward, reward_answers
 from .rollout.sampling import SamplingParams, sample_seeds
 from .runtime.executor import StepRunner, StepSettings
 from .runtime.memory import MemoryManager, MemoryPlan, module_group, optimizer_state_group
@@ -108,13 +113,25 @@ class Trainer:
         self.tokenizer = self.processor.tokenizer
         self.eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.pad_id = self.tokenizer.pad_token_id or 0
-        self.encoder = PromptEncoder(self.processor, cfg.data.max_prompt_tokens)
+        d = cfg.data
+        factor = self.processor.image_processor.patch_size * self.processor.image_processor.merge_size
+        video_budget = VideoBudget(fps=d.video_fps, min_frames=d.video_min_frames, max_frames=d.video_max_frames,
+                                   min_pixels=d.video_min_pixels, max_pixels=d.video_max_pixels,
+                                   total_pixels=d.video_total_pixels, factor=factor)
+        self.encoder = PromptEncoder(self.processor, cfg.data.max_prompt_tokens, video_budget=video_budget)
         self.data_files: dict[str, str] = {}
         self.stop = StopRequest()
         self.summary = RunSummary(self.run_dir, cfg.training.steps, cfg.training.sft_warmup_steps,
                                   checkpoints_enabled=cfg.checkpoint.enable)
 
-        self.train_records, self.eval_records = self._load_data()
+        self.train_records, eval_sets = self._load_data()
+        self.eval_records = [r for s in eval_sets for r in s.records]
+        self.evaluator = Evaluator(eval_sets, self.encoder, cfg.reward.correct, d.eval_k, d.eval_prompts,
+                                   local=self._local, mean=self._mean,
+                                   sums=lambda values: all_reduce_sums(values, self.device, self.dp_group))
+        self.reward_ledger = RewardLedger(cfg.reward.max_failure_fraction)
+        for name in cfg.reward.functions:  # a misspelled name or import path fails now, not after the first rollout
+            get_reward(name)
         self.stream = PromptStream(self.train_records, cfg.data.prompts_per_step, seed=cfg.job.seed,
                                    shuffle=cfg.data.shuffle)
 
@@ -139,7 +156,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.actor, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler.warmup_steps, cfg.lr_scheduler.decay,
                                                cfg.training.steps, cfg.lr_scheduler.min_lr_ratio)
-        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.metrics.tensorboard, rank=self.rank)
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.metrics.tensorboard, rank=self.rank,
+                                     wandb_project=cfg.metrics.wandb_project if cfg.metrics.wandb else None,
+                                     run_name=cfg.job.name, config=cfg.to_dict())
         a = cfg.algorithm
         loss_cfg = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, importance=a.importance,
                                     loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
@@ -197,37 +216,51 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-    def _load_data(self):
+    def _load_data(self) -> tuple[list, list[EvalSet]]:
         d = self.cfg.data
-        if d.train_file:
-            train_path, eval_path = Path(d.train_file), Path(d.eval_file) if d.eval_file else None
-            for key, path in (("data.train_file", train_path), ("data.eval_file", eval_path)):
-                if path is not None and not path.is_file():
-                    raise FileNotFoundError(f"{key} = {str(path)!r}: no such file")
+        keys = ColumnKeys(prompt=d.prompt_key, answer=d.answer_key, images=d.image_key, videos=d.video_key)
+        self.bad_records = BadRecords()  # rows dropped while reading: skipped/<phase>/malformed, skipped/bad_records
+        if d.train_files:  # users' own data (data/sources.py): one eval set per eval_files entry
+            train = self._read(keys, d.train_files, "train")
+            evals = [EvalSet(set_name(p), self._read(keys, [p], "eval")) for p in d.eval_files]
         else:
-            if self.rank == 0:
-                generate_synthetic_task(d.synthetic_dir, d.synthetic_train, d.synthetic_eval, seed=self.cfg.job.seed,
-                                        image_size=(112, 112))
-            self._barrier()
-            train_path, eval_path = generate_synthetic_task(d.synthetic_dir, d.synthetic_train, d.synthetic_eval,
-                                                            seed=self.cfg.job.seed, image_size=(112, 112))
-        train = self._read(train_path, "train")
-        evals = self._read(eval_path, "eval") if eval_path else []
+            if d.train_file:
+                train_path, eval_path = Path(d.train_file), Path(d.eval_file) if d.eval_file else None
+                for key, path in (("data.train_file", train_path), ("data.eval_file", eval_path)):
+                    if path is not None and not path.is_file():
+                        raise FileNotFoundError(f"{key} = {str(path)!r}: no such file")
+            else:
+                if d.synthetic_task == "video_counting":
+                    generate = functools.partial(generate_video_task, size=(56, 56), num_frames=8, fps=4)
+                else:
+                    generate = functools.partial(generate_synthetic_task, image_size=(112, 112))
+                if self.rank == 0:
+                    generate(d.synthetic_dir, d.synthetic_train, d.synthetic_eval, seed=self.cfg.job.seed)
+                self._barrier()
+                train_path, eval_path = generate(d.synthetic_dir, d.synthetic_train, d.synthetic_eval,
+                                                 seed=self.cfg.job.seed)
+            train = self._read(keys, [str(train_path)], "train")
+            evals = [EvalSet("eval", self._read(keys, [str(eval_path)], "eval"), legacy=True)] if eval_path else []
+        self.bad_records.summary()
+        skipped = skip_counts_text(self.encoder.skips.metrics())
         if len(train) < d.prompts_per_step:
-            raise DataError(f"{train_path}: {len(train)} valid records, fewer than one step's data.prompts_per_step"
-                            f"={d.prompts_per_step} (skipped: {skip_counts_text(self.encoder.skips.metrics())})")
-        if eval_path and not evals:
-            raise DataError(f"{eval_path} (data.eval_file): no valid record "
-                            f"(skipped: {skip_counts_text(self.encoder.skips.metrics())})")
+            raise DataError(f"{self.data_files['train']}: {len(train)} valid records, fewer than one step's "
+                            f"data.prompts_per_step={d.prompts_per_step} (skipped: {skipped})")
+        for eval_set in evals:
+            if not eval_set.records:
+                raise DataError(f"eval set {eval_set.name!r} ({self.data_files['eval']}): no valid record "
+                                f"(skipped: {skipped})")
         return train, evals
 
-    def _read(self, path: Path, phase: str) -> list:
-        """Valid records of a JSONL file; malformed lines are counted once for the job (data-parallel rank 0)."""
-        report = read_records_report(path, on_error="skip")
-        if self.dp_rank == 0 and report.skipped:
-            self.encoder.skips.add_lines(phase, str(path), report.skipped)
-        self.data_files[phase] = str(path)
-        return report.records
+    def _read(self, keys: ColumnKeys, patterns: list[str], phase: str) -> list:
+        """Valid records of the files `patterns` match; bad rows are counted once for the job (data-parallel
+        rank 0) under `phase`."""
+        before = self.bad_records.total
+        records = load_records(patterns, keys=keys, bad=self.bad_records, prompt_suffix=self.cfg.data.prompt_suffix)
+        if self.dp_rank == 0:
+            self.encoder.skips.add_malformed(phase, self.bad_records.total - before)
+        self.data_files[phase] = ", ".join(filter(None, [self.data_files.get(phase), *patterns]))
+        return records
 
     def _no_valid_sample(self, phase: str) -> DataError:
         return DataError(f"a {phase} step has no valid sample: every record of its batch was skipped "
@@ -299,19 +332,16 @@ class Trainer:
 
     # ---- evaluation ------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        records = self._local(self.eval_records[:self.cfg.data.eval_prompts])
-        batch = self.encoder.encode_batch(records, phase="eval")
-        # The denominators: prompts scored, and those of the eval set skipped (bad media, too long)
-        scored, skipped = all_reduce_sums([len(batch.prompts), len(batch.skipped)], self.device, self.dp_group)
-        counts = {"eval/prompts": scored, "eval/skipped": skipped}
-        if not batch.prompts and self.dp_group is None:
-            return counts  # with several ranks, one without prompts still joins the collectives (an empty rollout)
-        outputs = self.engine.generate(batch.prompts, self.sampling_params(greedy=True, n=1))
+        """Every eval set (evaluation.py); logs one summary line."""
+        return self.evaluator.run(self._generate_texts)
+
+    def _generate_texts(self, prompts: list, greedy: bool, n: int) -> list[list[str]]:
+        if not prompts and self.dp_group is None:
+            return []  # with several ranks, one without prompts still joins the collectives (an empty rollout)
+        outputs = self.engine.generate(prompts, self.sampling_params(greedy=greedy, n=n))
         reshard(self.actor)
-        texts = self.tokenizer.batch_decode([o[0].token_ids for o in outputs], skip_special_tokens=True)
-        correct = [float(is_correct(t, r.answer)) for t, r in zip(texts, batch.records)]
-        formatted = [format_reward(t, r.answer) for t, r in zip(texts, batch.records)]
-        return {"eval/accuracy": self._mean(correct), "eval/format": self._mean(formatted), **counts}
+        return [self.tokenizer.batch_decode([o.token_ids for o in group], skip_special_tokens=True)
+                for group in outputs]
 
     def _equal_share(self, batch: EncodedBatch) -> EncodedBatch:
         """The batch cut to the fewest prompts any data-parallel rank has (skipped bad samples make shares unequal).
@@ -377,7 +407,7 @@ class Trainer:
         if not batch.prompts:  # the same on every rank (_equal_share)
             return metrics, False
         params = self.sampling_params()
-        out = self.runner.run(batch.prompts, [r.answer for r in batch.records], params,
+        out = self.runner.run(batch.prompts, reward_answers(batch.records, self.reward_ledger), params,
                               sample_seeds=self.sample_seeds(params, global_indices), phase_timer=timer)
         exp, result = out.experience, out.train
         rewards = exp.rewards
@@ -389,6 +419,8 @@ class Trainer:
             "groups/kept_fraction": self._mean(exp.keep_groups.float().tolist()),
             "lr": self.optimizer.param_groups[0]["lr"],
             "skipped/nonfinite_steps": float(result.skipped_nonfinite),
+            "reward/failures": self._sum(float(self.reward_ledger.failures)),
+            "skipped/bad_records": float(self.bad_records.total),
         })
         metrics.update(self._token_metrics())
         for name, values in exp.reward_parts.items():

@@ -138,13 +138,19 @@ def _scored(metrics: Mapping[str, float]) -> str:
 
 
 def format_eval(step: int, metrics: Mapping[str, float], label: str = "") -> str:
-    """`eval step 50: accuracy 0.490 | format 1.00 | 200/200 prompts`."""
+    """`eval step 50: accuracy 0.490 | format 1.00 | 200/200 prompts`; with named eval sets (evaluation.py) one
+    `name: ...` part per set, joined by ` || `."""
+    sets: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        if key.startswith("eval/"):
+            name, _, metric = key.removeprefix("eval/").rpartition("/")
+            sets.setdefault(name, {})[metric] = value
     parts = []
-    if "eval/accuracy" in metrics:
-        parts.append(f"accuracy {metrics['eval/accuracy']:.3f}")
-    if "eval/format" in metrics:
-        parts.append(f"format {metrics['eval/format']:.2f}")
-    scored = _scored(metrics)
-    if scored:
-        parts.append(scored.removeprefix(", "))
-    return f"eval {label or f'step {step}'}: " + " | ".join(parts)
+    for name, values in sets.items():
+        shown = [f"{metric} {value:.2f}" if metric == "format" else f"{metric} {value:.3f}"
+                 for metric, value in values.items() if metric not in ("prompts", "skipped")]
+        if "prompts" in values:
+            asked = values["prompts"] + values.get("skipped", 0)
+            shown.append(f"{int(values['prompts'])}/{int(asked)} prompts")
+        parts.append((f"{name}: " if name else "") + " | ".join(shown))
+    return f"eval {label or f'step {step}'}: " + " || ".join(parts)

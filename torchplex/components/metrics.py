@@ -76,13 +76,19 @@ class MetricsLogger:
     after every step so a crashed run keeps everything logged before the crash.
     """
 
-    def __init__(self, run_dir: Path | str, tensorboard: bool = True, rank: int = 0) -> None:
+    def __init__(self, run_dir: Path | str, tensorboard: bool = True, rank: int = 0,
+                 wandb_project: str | None = None, run_name: str = "", config: dict | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.enabled = rank == 0
         self._file = None
         self._writer = None
+        self._wandb = None
         if not self.enabled:
             return
+        if wandb_project is not None:  # optional extra: imported only when asked for (components/wandb_run.py)
+            from .wandb_run import start_wandb
+
+            self._wandb = start_wandb(self.run_dir, wandb_project, run_name, config)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Append so that a resumed run continues the same file.
         self._file = open(self.run_dir / METRICS_FILENAME, "a", encoding="utf-8")
@@ -138,6 +144,8 @@ class MetricsLogger:
                     self._writer.add_scalar(key, float(value), global_step=int(step))
             # RL steps take seconds, so flushing every step costs nothing and keeps TB live.
             self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in values.items() if isinstance(v, (int, float))}, step=int(step))
 
     def close(self) -> None:
         if self._file is not None:
@@ -146,6 +154,9 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> MetricsLogger:
         return self

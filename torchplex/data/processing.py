@@ -178,21 +178,26 @@ def encode_prompt(
     images: list[Image.Image] | None = None,
     videos: list[list[Image.Image]] | None = None,
     system: str | None = None,
-    video_fps: float = DEFAULT_VIDEO_FPS,
+    video_fps: float | list[float] = DEFAULT_VIDEO_FPS,
+    messages: list[dict] | None = None,
 ) -> PromptInputs:
     """Render the chat template (generation prompt open) and run the processor on one prompt.
 
     `videos` are already-sampled frame lists taken at `video_fps` frames per second, which sets
     `second_per_grid_ts` = temporal_patch_size / video_fps. With `system=None` the template's own
     default system turn is used (Qwen's is "You are a helpful assistant.").
+    `video_fps` may also give one rate per video (decoded files: their sampled frames' real rate), and
+    `messages` an already-built conversation (media interleaved with text, data/media.py) in place of `text`.
     """
     images = list(images or [])
     videos = [list(v) for v in videos or []]
-    messages = build_messages(text, len(images), len(videos), system)
+    if messages is None:
+        messages = build_messages(text, len(images), len(videos), system)
+    rates = video_fps if isinstance(video_fps, list) else [video_fps] * len(videos)
     prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     kwargs: dict = {}
     if videos:
-        kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(v), fps=video_fps) for v in videos]
+        kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(v), fps=fps) for v, fps in zip(videos, rates)]
     out = processor(text=[prompt], images=images or None, videos=videos or None, return_tensors="pt", **kwargs)
 
     def optional(key: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:

@@ -43,9 +43,12 @@ class PromptRecord:
     id: str
     prompt: str
     answer: str
-    images: list[str] = field(default_factory=list)
+    # Paths, encoded bytes, or images left in an Arrow table (data/sources.py); opened by data/media.py.
+    images: list[Any] = field(default_factory=list)
     # Frame paths of one video, in temporal order; None when the record has no video.
     video: list[str] | None = None
+    # Video files (mp4 and the like), decoded and sampled by data/video.py.
+    videos: list[str] = field(default_factory=list)
     task: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     # Where the record came from ("file.jsonl:17"), so a skipped record can be found; "" when built in code.

@@ -22,7 +22,6 @@ PHASES = ("warmup", "train", "eval")
 # media: a file missing or undecodable; too_long: over data.max_prompt_tokens; preprocess: the processor (or any
 # other step) raised on inputs it could read; malformed: a records line that is not a valid record.
 REASONS = ("media", "too_long", "preprocess", "malformed")
-_SHOWN_LINES = 20  # malformed lines of one file warned about one by one; the rest are counted
 
 
 def guard_record(record_id: str, source: str, fn: Callable[..., T], *args, **kwargs) -> T:
@@ -53,13 +52,9 @@ class SkipTally:
             self._warned.add((phase, err.record_id))
             log.warning("skipping %s sample: %s (warned once per record)", phase, err)
 
-    def add_lines(self, phase: str, path: str, skipped: list) -> None:
-        """Malformed lines of a records file (`records.SkippedLine`): counted, and each one's reason shown."""
-        self.counts[f"{phase}/malformed"] += len(skipped)
-        for line in skipped[:_SHOWN_LINES]:
-            log.warning("%s:%d: skipped malformed line: %s", path, line.line_no, line.reason)
-        if len(skipped) > _SHOWN_LINES:
-            log.warning("%s: ... and %d more malformed lines", path, len(skipped) - _SHOWN_LINES)
+    def add_malformed(self, phase: str, count: int) -> None:
+        """Records dropped while reading a data file (shown one by one by data/sources.BadRecords): counted."""
+        self.counts[f"{phase}/malformed"] += count
 
     def total(self, phase: str | None = None) -> int:
         return sum(n for key, n in self.counts.items() if phase is None or key.startswith(phase + "/"))

@@ -109,22 +109,11 @@ def combine_rewards(
     """Score each response with every named reward and return the weighted sum per response.
 
     Returns ``(total, per_fn)``: ``total[i] = sum_k weights[k] * per_fn[names[k]][i]``, and the
-    unweighted per-function scores for logging. ``weights=None`` means 1.0 each.
+    unweighted per-function scores for logging. ``weights=None`` means 1.0 each. Names may also be
+    rl/verifiers.py's built-ins or user functions by import path; a failing function is counted
+    (rl/reward_functions.py, which does the scoring).
     """
-    if len(responses) != len(answers):
-        raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
-    if not names:
-        raise ValueError("combine_rewards needs at least one reward name")
-    if len(set(names)) != len(names):
-        raise ValueError(f"reward names repeat: {list(names)}")
-    if weights is None:
-        weights = [1.0] * len(names)
-    if len(weights) != len(names):
-        raise ValueError(f"{len(names)} reward names but {len(weights)} weights")
-    fns = [get_reward_fn(n) for n in names]  # fail on an unknown name before scoring anything
+    # Imported here: reward_functions builds on this module's registry.
+    from .reward_functions import score_rewards
 
-    per_fn = {n: [float(fn(r, a)) for r, a in zip(responses, answers)] for n, fn in zip(names, fns)}
-    total = [
-        sum(w * per_fn[n][i] for n, w in zip(names, weights)) for i in range(len(responses))
-    ]
-    return total, per_fn
+    return score_rewards(responses, answers, names, weights)
