@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_plan import LOGITS_CHUNK, layer_workspace_bytes, train_activation_bytes  # noqa: E402
 from step_bench import NullTokenizer, bench_flavor, build, make_prompt  # noqa: E402
 
-from torchplex.components.master_weights import MasterWeights  # noqa: E402
+from torchplex.runtime.master_weights import MasterWeights  # noqa: E402
 from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing  # noqa: E402
 from torchplex.rl.losses import PolicyLossConfig  # noqa: E402

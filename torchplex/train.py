@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from .components.checkpoint import CheckpointManager
 from .components.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, StepProgress, format_step_line
 from .components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from .components.plot_metrics import plot_metrics
 from .config import Config, load_config
 from .data.processing import load_processor
 from .data.prompts import EncodedBatch, PromptEncoder
@@ -33,7 +33,9 @@ from .data.records import PromptStream, read_records
 from .data.synthetic import generate_synthetic_task
 from .distributed.mesh import build_parallel_dims, destroy_distributed, init_distributed
 from .models.qwen2_5_vl.build import build_model
-from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl, reshard
+from .distributed.fsdp import reshard
+from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
+from .models.qwen2_5_vl.tiny_checkpoint import make_tiny_checkpoint
 from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
 from .rl.losses import PolicyLossConfig
 from .rl.rewards import format_reward, is_correct
@@ -50,12 +52,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def ensure_tiny_checkpoint(path: Path, flavor: str, seed: int) -> None:
-    """Debug runs need no download: write the tiny random checkpoint with our own tool when it is absent."""
-    repo = Path(__file__).resolve().parents[1]
-    if str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))
-    from tools.make_tiny_checkpoint import make_tiny_checkpoint
-
+    """Debug runs need no download: write the tiny random checkpoint (tools/make_tiny_checkpoint.py's writer)."""
     log.info("no checkpoint at %s: writing a tiny random %s checkpoint", path, flavor)
     make_tiny_checkpoint(path, size=flavor, seed=seed)
 
@@ -418,11 +415,6 @@ class Trainer:
 
     def _plot(self) -> None:
         try:
-            repo = Path(__file__).resolve().parents[1]
-            if str(repo) not in sys.path:
-                sys.path.insert(0, str(repo))
-            from tools.plot_metrics import plot_metrics
-
             log.info("metrics plot: %s", plot_metrics(self.run_dir))
         except Exception as err:  # a plot must never fail a finished run
             log.warning("could not plot metrics: %s", err)

@@ -25,7 +25,7 @@ import torch
 from ..components.captured_step import CapturedStep, plain_tensors
 from ..data.batching import collate, encode_visuals
 from ..models.attention import PrefixState
-from ..models.qwen2_5_vl.parallelize import gathered
+from ..distributed.fsdp import gathered
 from .kv_pool import DECODE_KERNELS, GroupedDecodeAttention, GroupKVPool, PoolTooSmallError
 from .sampling import SamplingParams, sample, sample_seeds as default_seeds  # generate() has a sample_seeds
 
@@ -195,7 +195,7 @@ class RolloutEngine:
 
         on_samples_finished(outputs) is called at each check with the samples that have finished since the last
         one, while the others decode on (the runtime scores them in the decode window); they are the very outputs
-        that are returned. An FSDP2 model is gathered once for the whole call (`parallelize.gathered`): ranks decode
+        that are returned. An FSDP2 model is gathered once for the whole call (`distributed.fsdp.gathered`): ranks decode
         as many steps as their own samples need, with no collective per step."""
         with gathered(self.model):  # also with no prompts: a rank without any still joins the gathering
             if not prompts:

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..components.master_weights import split_chunks
+from .master_weights import split_chunks
 from ..rollout.engine import RolloutStats, SampleOutput
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..components.captured_step import plain_tensors
-from ..models.qwen2_5_vl.parallelize import gathered, reshard
+from ..distributed.fsdp import gathered, reshard
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer
@@ -164,7 +164,7 @@ class StepRunner:
             if self.reference is not None:
                 # Every rank scores all its samples here (equal numbers: the trainer gives ranks equal shares), so
                 # per-forward FSDP2 gathers stay in step; with the window, how many are left differs between ranks,
-                # and the reference is gathered once from the rollout on (parallelize.gathered).
+                # and the reference is gathered once from the rollout on (distributed.fsdp.gathered).
                 with phase("ref"):
                     reference_phase(self.reference, self.scorer, exp, st.temperature, st.micro_batch_size, decomposed,
                                     scored=ref_scored)
