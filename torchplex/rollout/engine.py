@@ -24,9 +24,10 @@ import torch
 
 from ..components.captured_step import CapturedStep, plain_tensors
 from ..data.batching import collate, encode_visuals
-from ..models.attention import PrefixState
 from ..distributed.fsdp import gathered
+from ..models.attention import PrefixState
 from .kv_pool import DECODE_KERNELS, GroupedDecodeAttention, GroupKVPool, PoolTooSmallError
+from .protocol import RolloutCapabilities
 from .sampling import SamplingParams, sample, sample_seeds as default_seeds  # generate() has a sample_seeds
 
 
@@ -65,6 +66,11 @@ class RolloutStats:
 
 
 class RolloutEngine:
+    """The native engine (rollout.protocol.RolloutEngineProtocol): it decodes on the model it is given, the actor's
+    own parameters in the trainer, so every hook runs and a prefill computed with the actor is its own."""
+
+    capabilities = RolloutCapabilities()
+
     def __init__(self, model, *, kv_pool_bytes: int, max_batch: int = 256, kv_dtype: torch.dtype | None = None,
                  compile_decode: bool | None = None, prefill_tokens: int = 16384, check_interval: int | None = None,
                  pad_id: int = 0, decode_kernel: str | None = None, flex_options: dict | None = None,
@@ -145,6 +151,13 @@ class RolloutEngine:
         """Give the KV pool's memory back (between rollouts); the next `generate` takes it again."""
         if self.pool is not None:
             self.pool.release()
+
+    def resume(self) -> None:
+        """Nothing to take back ahead of time: `generate` reserves the pool it needs (`_pool_for`)."""
+
+    def update_weights(self) -> None:
+        """Nothing to copy: the engine reads the actor's parameters themselves (a captured decode graph keeps their
+        addresses, which the optimizer updates in place)."""
 
     # ---- prefill -------------------------------------------------------------------------------------
     @torch.no_grad()
