@@ -37,13 +37,10 @@ from .distributed.fsdp import reshard
 from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
 from .models.qwen2_5_vl.tiny_checkpoint import make_tiny_checkpoint
 from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
-from .rl.losses import PolicyLossConfig
 from .rl.rewards import format_reward, is_correct
 from .rollout.sampling import SamplingParams, sample_seeds
-from .runtime.executor import StepRunner, StepSettings
-from .runtime.memory import MemoryManager, MemoryPlan, module_group, optimizer_state_group
+from .runtime.build import build_step_runtime
 from .runtime.grpo_step import all_reduce_sums, kl_to_reference
-from .runtime.planner import PlanOptions
 from .runtime.rollout_weights import build_rollout_engine
 from .runtime.scoring import ScoreRequest, SerialScorer
 
@@ -114,46 +111,19 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.folder, cfg.checkpoint.interval,
                                              cfg.checkpoint.keep_latest_k, cfg.checkpoint.enable)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.metrics.tensorboard, rank=self.rank)
-        a = cfg.algorithm
-        loss_cfg = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, importance=a.importance,
-                                    loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
-                                    entropy_coef=a.entropy_coef)
-        settings = StepSettings(reward_names=cfg.reward.functions, reward_weights=cfg.reward.weights,
-                                advantage=a.advantage, dynamic_sampling=a.dynamic_sampling,
-                                temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size,
-                                ppo_epochs=a.ppo_epochs, grad_clip=o.grad_clip, loss=loss_cfg,
-                                # the fused actor prefix's K/V hold the actor's TP heads, not the rollout's
-                                plan=PlanOptions(mode=cfg.runtime.mode,
-                                                 fuse_actor_prefix=cfg.parallelism.rollout_tp == cfg.parallelism.tp,
-                                                 ref_prefix_graphs=cfg.runtime.ref_prefix_graphs,
-                                                 ref_prefix_in_window=cfg.runtime.reference_in_window,
-                                                 ref_suffix_in_window=cfg.runtime.reference_in_window),
-                                checkpoint_prefix=cfg.runtime.checkpoint_prefix)
-        self.memory = self._memory_manager() if cfg.memory.managed else None
-        self.runner = StepRunner(self.actor, self.reference, self.engine, self.optimizer, self.lr_scheduler,
-                                 self.tokenizer, settings, pad_id=self.pad_id, dp_size=self.dp_size,
-                                 dp_group=self.dp_group, memory=self.memory)
+        self.runner = build_step_runtime(cfg, self.actor, self.reference, self.engine, self.optimizer,
+                                         self.lr_scheduler, self.tokenizer, pad_id=self.pad_id, dp_size=self.dp_size,
+                                         dp_group=self.dp_group)
+        self.memory = self.runner.memory  # memory.managed: residency per stage of the runner's schedule
+        if self.memory is not None and self.rank == 0:
+            (self.run_dir / "memory_plan.json").write_text(self.memory.plan.to_json())
+            log.info("memory plan:\n%s", self.memory.plan)
+        self._schedule_written = False
         self.step = 0
         self.skipped_samples = 0
         self.unequal_share_dropped = 0  # good prompts cut so that every data-parallel rank has as many
 
     # ---- setup helpers --------------------------------------------------------------------------------
-    def _memory_manager(self) -> MemoryManager:
-        """Phase residency (runtime/memory.py): reference weights live on the device only for "ref", optimizer
-        state only for "train"; the KV pool is released by the engine after rollout. The actor's weights stay
-        (every phase reads them, and the decode graph captured their addresses)."""
-        actor_params = list(self.actor.parameters())
-        trainable = [p for p in actor_params if p.requires_grad]
-        adam_bytes = 2 * sum(p.numel() * p.element_size() for p in trainable)  # exp_avg + exp_avg_sq
-        groups = [optimizer_state_group("optimizer_state", self.optimizer, ["train"], nbytes=adam_bytes)]
-        if self.reference is not None:  # a shared frozen vision tower belongs to the actor
-            groups.append(module_group("ref_weights", self.reference, ["ref"], exclude=actor_params))
-        plan = MemoryPlan.build(groups, ["rollout", "ref", "train"])
-        if self.rank == 0:
-            (self.run_dir / "memory_plan.json").write_text(plan.to_json())
-            log.info("memory plan:\n%s", plan)
-        return MemoryManager(plan, groups, self.device)
-
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
@@ -316,6 +286,10 @@ class Trainer:
         out = self.runner.run(batch.prompts, [r.answer for r in batch.records], params,
                               sample_seeds=self.sample_seeds(params, global_indices), phase_timer=timer)
         exp, result = out.experience, out.train
+        if not self._schedule_written and self.rank == 0:  # the first step's schedule, and why work runs where
+            (self.run_dir / "schedule.json").write_text(out.schedule.to_json())
+            log.info("step schedule:\n%s", out.schedule)
+        self._schedule_written = True
         rewards = exp.rewards
         metrics.update({
             "reward/mean": self._mean(rewards.tolist()),
@@ -342,7 +316,7 @@ class Trainer:
             metrics["kl"] = kl
         metrics.update(timer.metrics())
         if self.memory is not None:  # plan next to what the manager held (and measured, on CUDA)
-            for record in self.memory.records[-3:]:
+            for record in self.memory.records[-len(self.memory.plan.phases):]:
                 metrics[f"memory/{record.phase}_plan_gib"] = record.planned_peak_bytes / 2**30
                 metrics[f"memory/{record.phase}_tracked_gib"] = record.tracked_bytes / 2**30
         metrics["time/step_s"] = time.perf_counter() - t0

@@ -84,11 +84,9 @@ class StepRunner:
         self.optimizer, self.lr_scheduler, self.tokenizer = optimizer, lr_scheduler, tokenizer
         self.settings = settings
         self.dp_size, self.dp_group = dp_size, dp_group
-        self.memory = memory  # runtime.memory.MemoryManager: residency of tensor groups per phase
-        if memory is not None and (settings.plan.ref_prefix_in_window or settings.plan.ref_suffix_in_window):
-            raise ValueError("ref_prefix_in_window/ref_suffix_in_window read the reference weights during rollout, "
-                             "but the memory plan keeps them on the device only in the ref phase; use one or the "
-                             "other")
+        self.memory = None  # runtime.memory.MemoryManager: residency of tensor groups per stage
+        if memory is not None:
+            self.attach_memory(memory)
         mode = settings.plan.mode
         self.scorer = (SerialScorer(pad_id) if mode == "serial"
                        else DecomposedScorer(pad_id, checkpoint_prefix=settings.checkpoint_prefix))
@@ -100,12 +98,29 @@ class StepRunner:
         self.device = next(actor.parameters()).device
         self.window = WindowWorker(self.device)
 
+    def attach_memory(self, memory) -> None:
+        if self.settings.plan.ref_prefix_in_window or self.settings.plan.ref_suffix_in_window:
+            raise ValueError("ref_prefix_in_window/ref_suffix_in_window read the reference weights during rollout, "
+                             "but the memory plan keeps them on the device only in the ref phase; use one or the "
+                             "other")
+        self.memory = memory
+
+    def stages(self) -> list[Stage]:
+        """The stages every step of this runner runs (they depend on the mode, the models and the engine, not on
+        the batch): what a memory plan plans."""
+        shape = StepShape(prompt_lengths=(1,), group_size=1, max_new_tokens=1, has_reference=self.reference is not None,
+                          vision_trainable=self._vision_trainable(), ppo_epochs=self.settings.ppo_epochs)
+        return plan_step(shape, self.settings.plan, self.engine.capabilities).stages()
+
+    def _vision_trainable(self) -> bool:
+        return any(p.requires_grad for p in self.actor.visual.parameters())
+
     def shape(self, prompts, params: SamplingParams) -> StepShape:
         t = self.actor.args.text
         kv = 2 * t.num_layers * t.num_kv_heads * t.head_dim * self.actor.output_weight.element_size()
         return StepShape(prompt_lengths=tuple(len(p.input_ids) for p in prompts), group_size=params.n,
                          max_new_tokens=params.max_new_tokens, has_reference=self.reference is not None,
-                         vision_trainable=any(p.requires_grad for p in self.actor.visual.parameters()),
+                         vision_trainable=self._vision_trainable(),
                          ppo_epochs=self.settings.ppo_epochs, kv_bytes_per_token=kv,
                          activation_bytes_per_token=kv * 8, device=self.device.type)
 
