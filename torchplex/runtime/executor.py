@@ -97,6 +97,9 @@ class StepRunner:
             self.scorer.prefix_graphs[id(reference)] = PrefixGraphs(reference)
         self.device = next(actor.parameters()).device
         self.window = WindowWorker(self.device)
+        # what a fused prefill's graph held per prompt token, measured (overlap.SavedBytes); until the first fused
+        # step, an estimate (8 times the K/V)
+        self._activation_bytes_per_token: float | None = None
 
     def attach_memory(self, memory) -> None:
         if self.settings.plan.ref_prefix_in_window or self.settings.plan.ref_suffix_in_window:
@@ -122,7 +125,8 @@ class StepRunner:
                          max_new_tokens=params.max_new_tokens, has_reference=self.reference is not None,
                          vision_trainable=self._vision_trainable(),
                          ppo_epochs=self.settings.ppo_epochs, kv_bytes_per_token=kv,
-                         activation_bytes_per_token=kv * 8, device=self.device.type)
+                         activation_bytes_per_token=self._activation_bytes_per_token or kv * 8,
+                         device=self.device.type)
 
     def run(self, prompts: list, answers: list[str], params: SamplingParams, *, sample_seeds=None,
             phase_timer=None) -> StepOutput:
@@ -144,6 +148,9 @@ class StepRunner:
                                                        self.settings.reward_names, self.settings.reward_weights,
                                                        self.settings.advantage, self.settings.dynamic_sampling,
                                                        self.device)
+        if id(self.actor) in step.prefixes.graph_bytes:
+            nbytes, tokens = step.prefixes.graph_bytes[id(self.actor)]
+            self._activation_bytes_per_token = nbytes / tokens
         step.prefixes.clear()  # prefixes of groups dynamic sampling dropped: free their graphs
         if self.memory is not None:
             self.memory.close()

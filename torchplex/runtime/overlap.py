@@ -46,6 +46,9 @@ class PrefixStore:
         self.served = 0  # takes that found their prefixes held (tests and metrics)
         self._kv_bytes: dict[int, int] = {}       # id(model) -> K/V bytes held now
         self.peak_kv_bytes: dict[int, int] = {}   # id(model) -> the most K/V bytes held at once (checked vs plan)
+        # id(model) -> (bytes the fused prefills' autograd graphs saved, their prompt tokens): what fusion holds
+        # from rollout to training besides the K/V
+        self.graph_bytes: dict[int, tuple[int, int]] = {}
 
     def _count(self, model_id: int, delta: int) -> None:
         now = self._kv_bytes.get(model_id, 0) + delta
@@ -97,18 +100,42 @@ def prompt_part(state: PrefixState, b: int, length: int) -> PrefixState:
                        state.lengths[b:b + 1], state.next_position[b:b + 1], state.last_hidden[b:b + 1])
 
 
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the distinct storages an autograd graph saves for backward while active, the model's parameters left
+    out (they are held anyway): the activations a graph kept alive until its backward."""
+
+    def __init__(self, model):
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._seen: set[int] = set()
+        self.nbytes = 0
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._seen and key not in self._params:
+            self._seen.add(key)
+            self.nbytes += storage.nbytes()
+        return t.detach()  # what autograd keeps: the tensor itself would tie a saved output to its own grad_fn
+
+
 def fused_prefill(scorer, model, store: PrefixStore) -> Callable[[Sequence], PrefixState]:
     """A rollout prefill that keeps autograd and holds each prompt's part in `store` for the first training epoch
     (the engine gets the detached state). `scorer` is the step's DecomposedScorer: its prefix reads the frozen
     tower's cached encodings, and it takes the held parts back when training scores the prompts."""
 
     def prefill(prompts):
+        saved = SavedBytes(model)
         with torch.enable_grad():  # the parts too: a view made under no_grad would cut them from the graph
-            state = scorer.prefix(model, prompts)[0]
+            with saved:
+                state = scorer.prefix(model, prompts)[0]
             for b, p in enumerate(prompts):
                 part = state if len(prompts) == 1 else prompt_part(state, b, len(p.input_ids))
                 store.put(model, p, part, batched=len(prompts) > 1)
-        scorer.counts.add(TokenCounts(prefix_tokens=sum(len(p.input_ids) for p in prompts)))
+        tokens = sum(len(p.input_ids) for p in prompts)
+        held, held_tokens = store.graph_bytes.get(id(model), (0, 0))
+        store.graph_bytes[id(model)] = (held + saved.nbytes, held_tokens + tokens)
+        scorer.counts.add(TokenCounts(prefix_tokens=tokens))
         return state.detach()
 
     return prefill

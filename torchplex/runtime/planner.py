@@ -36,7 +36,7 @@ class StepShape:
     vision_trainable: bool = True
     ppo_epochs: int = 1
     kv_bytes_per_token: int = 0             # K+V over all layers, one token, one model
-    activation_bytes_per_token: int = 0     # what a prefix forward with autograd holds per token
+    activation_bytes_per_token: float = 0   # what a prefix forward with autograd holds per token
     device: str = "cpu"
 
     @property
@@ -163,7 +163,7 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
         raise ValueError(f"runtime.mode must be serial, decomposed or overlapped, got {options.mode!r}")
     s = Schedule(options.mode)
     overlapped = options.mode == "overlapped"
-    held = shape.activation_bytes_per_token * P
+    held = round(shape.activation_bytes_per_token * P)
     fuse = overlapped and options.fuse_actor_prefix
     if fuse and not (rollout.prefill_hook and rollout.shares_actor_weights):
         fuse = False
