@@ -70,3 +70,9 @@ def test_managed_memory_plans_the_stages_of_the_runners_schedule(grpo_assets, fr
     stages = ["vision", "rollout", "ref", "train"] if frozen else ["rollout", "ref", "train"]
     assert runner.stages() == stages
     assert [row.phase for row in runner.memory.plan.phases] == stages
+    # every group the trainer's step touches is planned: the KV pool (released and resumed through the engine) and
+    # the gradients (counted in train) as well as the reference weights and the optimizer state
+    assert {g.name for g in runner.memory.plan.groups} == {"optimizer_state", "grads", "kv_pool", "ref_weights"}
+    rows = {row.phase: row for row in runner.memory.plan.phases}
+    assert "kv_pool" in rows["rollout"].resident and "kv_pool" in rows["ref"].offload
+    assert "grads" in rows["train"].needed

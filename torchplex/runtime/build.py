@@ -13,7 +13,7 @@ import torch
 from ..config import Config
 from ..rl.losses import PolicyLossConfig
 from .executor import StepRunner, StepSettings
-from .memory import MemoryManager, MemoryPlan, module_group, optimizer_state_group
+from .memory import MemoryManager, MemoryPlan, grads_group, kv_pool_group, module_group, optimizer_state_group
 from .planner import PlanOptions
 
 
@@ -38,14 +38,17 @@ def step_settings(cfg: Config) -> StepSettings:
                         plan=plan_options(cfg), checkpoint_prefix=cfg.runtime.checkpoint_prefix)
 
 
-def build_memory_manager(runner: StepRunner, device: torch.device) -> MemoryManager:
+def build_memory_manager(runner: StepRunner, device: torch.device, kv_pool_bytes: int) -> MemoryManager:
     """Phase residency (runtime/memory.py) over the stages of the runner's schedule: reference weights on the device
-    only in "ref", optimizer state only in "train"; the KV pool is released by the engine after rollout. The actor's
-    weights stay (every stage reads them, and the decode graph captured their addresses)."""
+    only in "ref", optimizer state only in "train", the rollout's KV pool only in "rollout" (released and resumed
+    through the engine), the actor's gradients counted in "train". The actor's weights stay (every stage reads
+    them, and the decode graph captured their addresses)."""
     actor_params = list(runner.actor.parameters())
     trainable = [p for p in actor_params if p.requires_grad]
     adam_bytes = 2 * sum(p.numel() * p.element_size() for p in trainable)  # exp_avg + exp_avg_sq
-    groups = [optimizer_state_group("optimizer_state", runner.optimizer, ["train"], nbytes=adam_bytes)]
+    groups = [optimizer_state_group("optimizer_state", runner.optimizer, ["train"], nbytes=adam_bytes),
+              grads_group("grads", runner.actor, ["train"]),
+              kv_pool_group(runner.engine, ["rollout"], nbytes=kv_pool_bytes)]
     if runner.reference is not None:  # a shared frozen vision tower belongs to the actor
         groups.append(module_group("ref_weights", runner.reference, ["ref"], exclude=actor_params))
     plan = MemoryPlan.build(groups, [str(stage) for stage in runner.stages()])
@@ -60,5 +63,5 @@ def build_step_runtime(cfg: Config, actor, reference, engine, optimizer, lr_sche
     runner = StepRunner(actor, reference, engine, optimizer, lr_scheduler, tokenizer, step_settings(cfg),
                         pad_id=pad_id, dp_size=dp_size, dp_group=dp_group, memory=memory)
     if memory is None and cfg.memory.managed:
-        runner.attach_memory(build_memory_manager(runner, runner.device))
+        runner.attach_memory(build_memory_manager(runner, runner.device, int(cfg.rollout.kv_pool_gib * 2**30)))
     return runner
