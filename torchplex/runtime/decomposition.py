@@ -45,16 +45,14 @@ def tower_trains(model) -> bool:
 class VisionCache:
     """Visual embeddings of this step's prompts, per vision tower, for towers that do not train.
 
-    Keyed by the tower module and the prompt object; `new_step()` clears it. A frozen actor tower shared with the
-    reference model (same module) therefore encodes each prompt exactly once per step.
+    Keyed by the tower module and the prompt object; one per step (the executor's, given to
+    DecomposedScorer.new_step). A frozen actor tower shared with the reference model (same module) therefore encodes
+    each prompt exactly once per step.
     """
 
     def __init__(self):
         self._store: dict[tuple[int, int, str], torch.Tensor] = {}
         self.encodes = 0
-
-    def new_step(self) -> None:
-        self._store.clear()
 
     def get(self, model, prompt, kind: str):
         """The prompt's visual embeddings from `model`'s tower (keyed by the tower: a reference sharing the actor's
@@ -139,10 +137,10 @@ class DecomposedScorer:
         self.counts = TokenCounts()
         self.serial_equivalent_tokens = 0  # what SerialScorer would have run for the same requests
 
-    def new_step(self, store: PrefixStore | None = None) -> None:
-        """A new step: its frozen-tower encodings and its held prefixes (`store`, the executor's for this step,
-        which the overlap code fills; a fresh one when None)."""
-        self.vision.new_step()
+    def new_step(self, store: PrefixStore | None = None, vision: VisionCache | None = None) -> None:
+        """A new step with its step-scoped state, the executor's for this step: the held prefixes (`store`, which
+        the overlap code fills) and the frozen tower's encodings (`vision`); fresh ones when None."""
+        self.vision = vision if vision is not None else VisionCache()
         self.store = store if store is not None else PrefixStore()
         self._deferred.clear()
         self._held_back = ([], [])

@@ -24,7 +24,7 @@ from ..components.captured_step import plain_tensors
 from ..distributed.fsdp import gathered, reshard
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
-from .decomposition import DecomposedScorer
+from .decomposition import DecomposedScorer, VisionCache
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
 from .overlap import DecodeWindowJobs, PrefixStore, rollout_prefill
 from .phases import Stage
@@ -70,6 +70,7 @@ class _Step:
     schedule: Schedule
     timeline: Timeline
     prefixes: PrefixStore
+    vision: VisionCache  # the frozen tower's encodings of this step's prompts
     gathers: ExitStack  # the reference gathered from the rollout through the ref stage, when the window reads it
     window_jobs: DecodeWindowJobs | None = None
     outputs: list | None = None
@@ -134,9 +135,9 @@ class StepRunner:
         memory; `sample_seeds` fixes each sample's random stream (see RolloutEngine.generate)."""
         schedule = self.plan(prompts, params)
         step = _Step(prompts, answers, params, sample_seeds, schedule,
-                     Timeline(sync_cuda=self.device.type == "cuda"), PrefixStore(), ExitStack())
+                     Timeline(sync_cuda=self.device.type == "cuda"), PrefixStore(), VisionCache(), ExitStack())
         if schedule.mode != "serial":
-            self.scorer.new_step(step.prefixes)
+            self.scorer.new_step(step.prefixes, step.vision)
         work = {Stage.VISION: self._vision, Stage.ROLLOUT: self._rollout, Stage.REF: self._reference,
                 Stage.TRAIN: self._train}
         with step.gathers:

@@ -132,7 +132,7 @@ class Schedule:
                  f"{'phase':<16}{'placement':<24}{'after':<34}{'tokens':>9}{'holds MiB':>11}"]
         for p in self.phases:
             lines.append(f"{p.name:<16}{p.placement:<24}{','.join(p.depends_on) or '-':<34}{p.tokens:>9}"
-                         f"{p.holds_bytes / 2**20:>11.1f}")
+                         f"{p.holds_bytes / 2**20:>11.1f}" + (f"  {p.note}" if p.note else ""))
         lines += [f"  - {r}" for r in self.reasons]
         return "\n".join(lines)
 
