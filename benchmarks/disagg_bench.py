@@ -46,12 +46,11 @@ from benchmarks.step_bench import NullTokenizer, bench_flavor, build, make_promp
 from torchplex.components.optim import build_optimizer  # noqa: E402
 from torchplex.distributed.mesh import build_parallel_dims, init_distributed  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl  # noqa: E402
-from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
 from torchplex.rollout.sampling import SamplingParams, sample_seeds as seeds_of  # noqa: E402
 from torchplex.runtime.disaggregation import RemoteRollout, WeightTransfer, send_outputs  # noqa: E402
-from torchplex.runtime.executor import StepRunner, StepSettings  # noqa: E402
-from torchplex.runtime.planner import PlanOptions  # noqa: E402
+from benchmarks.bench_runtime import bench_config  # noqa: E402
+from torchplex.runtime.build import build_step_runtime  # noqa: E402
 
 ROLLOUT_RANK, TRAINER_RANK = 0, 1
 PHASES = ("vision", "rollout", "ref", "train")
@@ -107,9 +106,8 @@ class ReplicaGradSync:
             h.remove()
 
 
-def settings(a, mode: str) -> StepSettings:
-    return StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=a.micro_batch,
-                        loss=PolicyLossConfig(kl_coef=0.01), plan=PlanOptions(mode=mode))
+def step_config(a, mode: str):
+    return bench_config(mode, micro_batch=a.micro_batch)
 
 
 def build_pair(a, margs, dtype, device):
@@ -155,8 +153,8 @@ def run_colocated(a, dp: str, margs, prompts, params, dtype, device) -> dict:
         engine.release = lambda: None
     mine = list(range(rank, len(prompts), world))  # the trainer's dp_rank::dp_size share
     local = [prompts[i] for i in mine]
-    runners = {m: StepRunner(actor, reference, engine, optimizer, None, NullTokenizer(), settings(a, m),
-                             dp_size=world, dp_group=dp_group) for m in a.colocated_modes}
+    runners = {m: build_step_runtime(step_config(a, m), actor, reference, engine, optimizer, None, NullTokenizer(),
+                                     dp_size=world, dp_group=dp_group) for m in a.colocated_modes}
     rows = {m: [] for m in runners}
     first_tokens = None
     for step in range(a.warmup + a.steps):
@@ -227,7 +225,8 @@ def run_disaggregated(a, margs, prompts, params, dtype, device) -> dict:
             reference.visual = actor.visual
         optimizer = build_optimizer(actor, "adamw", a.lr)
         remote = RemoteRollout(src=ROLLOUT_RANK, device=device)
-        runner = StepRunner(actor, reference, remote, optimizer, None, NullTokenizer(), settings(a, a.disagg_trainer))
+        runner = build_step_runtime(step_config(a, a.disagg_trainer), actor, reference, remote, optimizer, None,
+                                    NullTokenizer())
         transfer = WeightTransfer(trainable_named(actor, a.freeze_vision), src=TRAINER_RANK,
                                   bucket_bytes=int(a.bucket_mib * 2**20))
         initial = fingerprint(transfer.tensors)

@@ -46,17 +46,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_plan import LOGITS_CHUNK, layer_workspace_bytes, train_activation_bytes  # noqa: E402
 from step_bench import NullTokenizer, bench_flavor, build, make_prompt  # noqa: E402
 
-from torchplex.components.master_weights import MasterWeights  # noqa: E402
+from torchplex.runtime.master_weights import MasterWeights  # noqa: E402
 from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing  # noqa: E402
-from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
 from torchplex.rollout.engine import PROMPT_BUCKET, RolloutEngine  # noqa: E402
 from torchplex.rollout.kv_pool import GroupKVPool  # noqa: E402
 from torchplex.rollout.sampling import SamplingParams  # noqa: E402
-from torchplex.runtime.executor import StepRunner, StepSettings  # noqa: E402
+from benchmarks.bench_runtime import bench_config  # noqa: E402
+from torchplex.runtime.build import build_step_runtime  # noqa: E402
 from torchplex.runtime.memory import (GiB, MemoryManager, MemoryPlan, NoTransferCopyEngine, TensorGroup,  # noqa: E402
                                       ThreadCopyEngine, default_copy_engine, module_group)
-from torchplex.runtime.planner import PlanOptions  # noqa: E402
 
 PHASES = ["rollout", "ref", "train", "optimizer"]
 
@@ -205,10 +204,8 @@ def main(argv=None) -> dict:
     host_gib = sum(arena.nbytes for arena in manager._arenas.values()) / GiB
     log(f"host buffers: {host_gib:.2f} GiB ({'pinned' if copy_engine.pin_memory else 'pageable'}) in {host_s:.1f}s")
 
-    runner = StepRunner(actor, reference, engine, master, None, NullTokenizer(),
-                        StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=a.micro_batch,
-                                     loss=PolicyLossConfig(kl_coef=0.01), plan=PlanOptions(mode="decomposed")),
-                        memory=manager)
+    runner = build_step_runtime(bench_config("decomposed", micro_batch=a.micro_batch), actor, reference, engine,
+                                master, None, NullTokenizer(), memory=manager)
     optimizer_s = []
     plain_step = master.step
 

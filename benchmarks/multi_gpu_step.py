@@ -36,10 +36,9 @@ from torchplex.components.optim import build_optimizer  # noqa: E402
 from torchplex.distributed.mesh import build_parallel_dims  # noqa: E402
 from torchplex.models.qwen2_5_vl.build import build_model  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl  # noqa: E402
-from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
 from torchplex.rollout.sampling import SamplingParams  # noqa: E402
-from torchplex.runtime.executor import StepRunner, StepSettings  # noqa: E402
-from torchplex.runtime.planner import PlanOptions  # noqa: E402
+from benchmarks.bench_runtime import bench_config  # noqa: E402
+from torchplex.runtime.build import build_step_runtime  # noqa: E402
 from torchplex.runtime.rollout_weights import SharedRolloutEngine, build_rollout_engine  # noqa: E402
 
 PHASES = ("vision", "rollout", "ref", "train")
@@ -111,10 +110,9 @@ def main() -> None:
         if shared:
             log(f"rollout TP {t_roll}: {engine.sharer.report().summary()}; decode graphs {engine.engine.use_graphs}")
         for mode in a.modes:
-            runner = StepRunner(actor, reference, engine, optimizer, None, NullTokenizer(),
-                                StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=a.micro_batch,
-                                             loss=PolicyLossConfig(kl_coef=0.01),
-                                             plan=PlanOptions(mode=mode, fuse_actor_prefix=t_roll == world)))
+            # fusion only where the engine decodes on the actor: the planner reads engine.capabilities
+            runner = build_step_runtime(bench_config(mode, micro_batch=a.micro_batch), actor, reference, engine,
+                                        optimizer, None, NullTokenizer())
             times = {k: [] for k in PHASES + ("step_s",)}
             resync = []
             for rep in range(a.repeats + 1):  # the first step warms up kernels, allocator and the decode graph

@@ -133,8 +133,8 @@ def full_steps(a, args, dtype, device, prompts):
     """Whole steps (rollout included) through the executor in serial, decomposed and overlapped modes."""
     from torchplex.rollout.engine import RolloutEngine
     from torchplex.rollout.sampling import SamplingParams
-    from torchplex.runtime.executor import StepRunner, StepSettings
-    from torchplex.runtime.planner import PlanOptions
+    from benchmarks.bench_runtime import bench_config
+    from torchplex.runtime.build import build_step_runtime
     from torchplex.runtime.timeline import draw_timelines
 
     actor = build(args, dtype, device, 0)
@@ -149,21 +149,17 @@ def full_steps(a, args, dtype, device, prompts):
     engine = RolloutEngine(actor, kv_pool_bytes=int(a.kv_pool_gib * 2**30), compile_decode=device.type == "cuda")
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0,
                             stop_token_ids=long_tail_stops(args.text.vocab_size, a.mean_response))
-    plans = {"serial": PlanOptions(mode="serial"), "decomposed": PlanOptions(mode="decomposed"),
-             "overlapped": PlanOptions(mode="overlapped")}
+    step = lambda mode, **kw: bench_config(mode, micro_batch=a.micro_batch, **kw)
+    configs = {"serial": step("serial"), "decomposed": step("decomposed"), "overlapped": step("overlapped")}
     if a.window:  # the reference prefixes and finished samples' reference log-probs on the window thread
-        plans["overlapped_window"] = PlanOptions(mode="overlapped", ref_prefix_in_window=True,
-                                                 ref_suffix_in_window=True, window_sample_batch=a.window_sample_batch)
+        configs["overlapped_window"] = step("overlapped", window=True, window_sample_batch=a.window_sample_batch)
         if a.decode_priority:  # the same, with decode steps on a high-priority stream
-            plans["overlapped_window_prio"] = plans["overlapped_window"]
+            configs["overlapped_window_prio"] = configs["overlapped_window"]
     if a.ref_prefix_graphs:  # both prefix modes again with the bucketed reference prefix: its gain in each
-        plans["decomposed_graphs"] = PlanOptions(mode="decomposed", ref_prefix_graphs=True)
-        plans["overlapped_graphs"] = PlanOptions(mode="overlapped", ref_prefix_in_window=a.window,
-                                                 ref_suffix_in_window=a.window, ref_prefix_graphs=True)
-    runners = {m: StepRunner(actor, reference, engine, optimizer, None, NullTokenizer(),
-                             StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=a.micro_batch,
-                                          loss=PolicyLossConfig(kl_coef=0.01), plan=plan))
-               for m, plan in plans.items()}
+        configs["decomposed_graphs"] = step("decomposed", ref_prefix_graphs=True)
+        configs["overlapped_graphs"] = step("overlapped", window=a.window, ref_prefix_graphs=True)
+    runners = {m: build_step_runtime(cfg, actor, reference, engine, optimizer, None, NullTokenizer())
+               for m, cfg in configs.items()}
     phases = ("vision", "rollout", "ref", "train")
     window_counts = {m: [] for m in runners}  # (reference prefix jobs, reference sample jobs) in the window
     times = {m: {k: [] for k in phases + ("step_s",)} for m in runners}

@@ -40,7 +40,8 @@ from torchplex.distributed.mesh import build_parallel_dims  # noqa: E402
 from torchplex.distributed.weight_sharing import ShareKind, WeightSharer, shares_storage  # noqa: E402
 from step_bench import bench_flavor, sync  # noqa: E402
 from torchplex.models.qwen2_5_vl.build import build_model  # noqa: E402
-from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl, reshard  # noqa: E402
+from torchplex.distributed.fsdp import reshard  # noqa: E402
+from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl  # noqa: E402
 from torchplex.models.qwen2_5_vl.rope_index import get_rope_index  # noqa: E402
 
 SHARED = (ShareKind.IDENTICAL, ShareKind.VIEW)

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from torchplex.components.master_weights import MasterWeights, split_chunks
+from torchplex.runtime.master_weights import MasterWeights, split_chunks
 from torchplex.runtime.memory import (MemoryManager, MemoryPlan, NoCopyEngine, TensorGroup, ThreadCopyEngine,
                                       module_group, window_bytes)
 

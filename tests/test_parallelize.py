@@ -22,7 +22,8 @@ from distributed_helpers import free_port, init_gloo, spawn
 from torchplex.distributed.mesh import ParallelDims, build_parallel_dims, init_distributed
 from torchplex.models.qwen2_5_vl.args import get_flavor
 from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel
-from torchplex.models.qwen2_5_vl.parallelize import check_tp_divisibility, parallelize_qwen2_5_vl, reshard
+from torchplex.distributed.fsdp import reshard
+from torchplex.models.qwen2_5_vl.parallelize import check_tp_divisibility, parallelize_qwen2_5_vl
 from torchplex.models.qwen2_5_vl.rope_index import get_rope_index
 
 RTOL = 1e-5

@@ -2,7 +2,7 @@
 
 Every forward of an FSDP2 unit all-gathers its parameters unless it is already gathered, so with per-forward
 gathers a rank that stops decoding earlier than another leaves that one waiting in a collective. The engine gathers
-the model once per `generate` (`parallelize.gathered`); here two gloo ranks run different requests — different
+the model once per `generate` (`distributed.fsdp.gathered`); here two gloo ranks run different requests — different
 prompt counts, response caps, and one rank a rollout with no prompts — and each must return what the plain model
 returns for its request in this process.
 """

@@ -24,6 +24,7 @@ import train_memory_probe as probe  # noqa: E402
 
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing  # noqa: E402
 from torchplex.runtime.decomposition import DecomposedScorer  # noqa: E402
+from torchplex.runtime.overlap import fused_prefill  # noqa: E402
 from torchplex.runtime.scoring import ScoreRequest  # noqa: E402
 
 # Two micro-batches of one group each: the second finds .grad already there, which is when the pending copy was
@@ -56,7 +57,7 @@ def assets(grpo_assets):
 
 def held_prefix_request(scorer, actor, prompts, group=3, width=5, seed=0):
     """The fused rollout prefill's prefixes (autograd kept, held in the store) and G random responses each."""
-    scorer.rollout_prefill(actor, keep_for_training=True)(prompts)
+    fused_prefill(scorer, actor, scorer.store)(prompts)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(10, 1000, (group * len(prompts), width), generator=g)
     lengths = torch.randint(1, width + 1, (group * len(prompts),), generator=g)

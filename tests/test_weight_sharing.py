@@ -27,7 +27,8 @@ from torchplex.distributed.weight_sharing import (
     RolloutLayout, ShardLayout, ShareKind, ShareReport, WeightSharer, classify, plan_sharing, shares_storage)
 from torchplex.models.qwen2_5_vl.args import get_flavor
 from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel
-from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl, reshard
+from torchplex.distributed.fsdp import reshard
+from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
 from torchplex.models.qwen2_5_vl.rope_index import get_rope_index
 
 RTOL = 1e-5

@@ -212,6 +212,7 @@ class RuntimeConfig:
     # overlapped: the reference prefixes, and the reference log-probs of each sample as soon as it has finished,
     # computed in the rollout decode window on a second host thread (runtime/window.py); equal up to rounding
     reference_in_window: bool = False
+    window_sample_batch: int = 0  # overlapped window: finished samples of a prompt per job; 0: half a group
 
 
 @dataclass

@@ -29,6 +29,7 @@ from .components.checkpoint import CheckpointManager
 from .components.console import RunSummary, StopRequest, format_eval, optimizer_notice, setup_logging
 from .components.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, StepProgress, format_step_line
 from .components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from .components.plot_metrics import plot_metrics
 from .config import Config, ConfigError, load_config
 from .data.processing import load_processor
 from .data.prompts import EncodedBatch, PromptEncoder
@@ -40,16 +41,15 @@ from .data.synthetic_video import generate_video_task
 from .data.video import VideoBudget
 from .distributed.mesh import build_parallel_dims, destroy_distributed, init_distributed
 from .models.qwen2_5_vl.build import build_model
-from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl, reshard
+from .distributed.fsdp import reshard
+from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
+from .models.qwen2_5_vl.tiny_checkpoint import make_tiny_checkpoint
 from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
 from .evaluation import EvalSet, Evaluator
-from .rl.losses import PolicyLossConfig
 from .rl.reward_functions import RewardLedger, get_reward, reward_answers
 from .rollout.sampling import SamplingParams, sample_seeds
-from .runtime.executor import StepRunner, StepSettings
-from .runtime.memory import MemoryManager, MemoryPlan, module_group, optimizer_state_group
+from .runtime.build import build_step_runtime
 from .runtime.grpo_step import all_reduce_sums, kl_to_reference
-from .runtime.planner import PlanOptions
 from .runtime.rollout_weights import build_rollout_engine
 from .runtime.scoring import ScoreRequest, SerialScorer
 from .run_folder import RunFolderError, check_run_folder, clear_run_folder, may_write_tiny_checkpoint, \
@@ -60,13 +60,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def ensure_tiny_checkpoint(path: Path, flavor: str, seed: int) -> None:
-    """Debug runs need no download: write the tiny random checkpoint with our own tool when it is absent."""
-    repo = Path(__file__).resolve().parents[1]
-    if str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))
+    """Debug runs need no download: write the tiny random checkpoint (tools/make_tiny_checkpoint.py's writer)."""
     from transformers.utils import logging as hf_logging
-
-    from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
     hf_logging.disable_progress_bar()  # its one-file "Writing model shards" bar says nothing
     log.info("no checkpoint at %s: writing a tiny random %s checkpoint", path, flavor)
@@ -159,46 +154,19 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.metrics.tensorboard, rank=self.rank,
                                      wandb_project=cfg.metrics.wandb_project if cfg.metrics.wandb else None,
                                      run_name=cfg.job.name, config=cfg.to_dict())
-        a = cfg.algorithm
-        loss_cfg = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, importance=a.importance,
-                                    loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
-                                    entropy_coef=a.entropy_coef)
-        settings = StepSettings(reward_names=cfg.reward.functions, reward_weights=cfg.reward.weights,
-                                advantage=a.advantage, dynamic_sampling=a.dynamic_sampling,
-                                temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size,
-                                ppo_epochs=a.ppo_epochs, grad_clip=o.grad_clip, loss=loss_cfg,
-                                # the fused actor prefix's K/V hold the actor's TP heads, not the rollout's
-                                plan=PlanOptions(mode=cfg.runtime.mode,
-                                                 fuse_actor_prefix=cfg.parallelism.rollout_tp == cfg.parallelism.tp,
-                                                 ref_prefix_graphs=cfg.runtime.ref_prefix_graphs,
-                                                 ref_prefix_in_window=cfg.runtime.reference_in_window,
-                                                 ref_suffix_in_window=cfg.runtime.reference_in_window),
-                                checkpoint_prefix=cfg.runtime.checkpoint_prefix)
-        self.memory = self._memory_manager() if cfg.memory.managed else None
-        self.runner = StepRunner(self.actor, self.reference, self.engine, self.optimizer, self.lr_scheduler,
-                                 self.tokenizer, settings, pad_id=self.pad_id, dp_size=self.dp_size,
-                                 dp_group=self.dp_group, memory=self.memory)
+        self.runner = build_step_runtime(cfg, self.actor, self.reference, self.engine, self.optimizer,
+                                         self.lr_scheduler, self.tokenizer, pad_id=self.pad_id, dp_size=self.dp_size,
+                                         dp_group=self.dp_group)
+        self.memory = self.runner.memory  # memory.managed: residency per stage of the runner's schedule
+        if self.memory is not None and self.rank == 0:
+            (self.run_dir / "memory_plan.json").write_text(self.memory.plan.to_json())
+            log.info("memory plan:\n%s", self.memory.plan)
+        self._schedule_written = False
         self.step = 0
         self.skipped_samples = 0
         self.unequal_share_dropped = 0  # good prompts cut so that every data-parallel rank has as many
 
     # ---- setup helpers --------------------------------------------------------------------------------
-    def _memory_manager(self) -> MemoryManager:
-        """Phase residency (runtime/memory.py): reference weights live on the device only for "ref", optimizer
-        state only for "train"; the KV pool is released by the engine after rollout. The actor's weights stay
-        (every phase reads them, and the decode graph captured their addresses)."""
-        actor_params = list(self.actor.parameters())
-        trainable = [p for p in actor_params if p.requires_grad]
-        adam_bytes = 2 * sum(p.numel() * p.element_size() for p in trainable)  # exp_avg + exp_avg_sq
-        groups = [optimizer_state_group("optimizer_state", self.optimizer, ["train"], nbytes=adam_bytes)]
-        if self.reference is not None:  # a shared frozen vision tower belongs to the actor
-            groups.append(module_group("ref_weights", self.reference, ["ref"], exclude=actor_params))
-        plan = MemoryPlan.build(groups, ["rollout", "ref", "train"])
-        if self.rank == 0:
-            (self.run_dir / "memory_plan.json").write_text(plan.to_json())
-            log.info("memory plan:\n%s", plan)
-        return MemoryManager(plan, groups, self.device)
-
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
@@ -410,6 +378,10 @@ class Trainer:
         out = self.runner.run(batch.prompts, reward_answers(batch.records, self.reward_ledger), params,
                               sample_seeds=self.sample_seeds(params, global_indices), phase_timer=timer)
         exp, result = out.experience, out.train
+        if not self._schedule_written and self.rank == 0:  # the first step's schedule, and why work runs where
+            (self.run_dir / "schedule.json").write_text(out.schedule.to_json())
+            log.info("step schedule:\n%s", out.schedule)
+        self._schedule_written = True
         rewards = exp.rewards
         metrics.update({
             "reward/mean": self._mean(rewards.tolist()),
@@ -438,7 +410,7 @@ class Trainer:
             metrics["kl"] = kl
         metrics.update(timer.metrics())
         if self.memory is not None:  # plan next to what the manager held (and measured, on CUDA)
-            for record in self.memory.records[-3:]:
+            for record in self.memory.records[-len(self.memory.plan.phases):]:
                 metrics[f"memory/{record.phase}_plan_gib"] = record.planned_peak_bytes / 2**30
                 metrics[f"memory/{record.phase}_tracked_gib"] = record.tracked_bytes / 2**30
         metrics["time/step_s"] = time.perf_counter() - t0
@@ -552,11 +524,6 @@ class Trainer:
 
     def _plot(self) -> Path | None:
         try:
-            repo = Path(__file__).resolve().parents[1]
-            if str(repo) not in sys.path:
-                sys.path.insert(0, str(repo))
-            from tools.plot_metrics import plot_metrics
-
             return plot_metrics(self.run_dir)
         except Exception as err:  # a plot must never fail a finished run
             log.warning("could not plot metrics: %s", err)

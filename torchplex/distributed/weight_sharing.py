@@ -538,8 +538,3 @@ class WeightSharer:
         report.resync_seconds = self._last_resync_seconds
         report.unshard_seconds = self._unshard_seconds if self._fsdp_modules else None
         return report
-
-    @property
-    def replica(self) -> int:
-        """This rank's rollout replica: ranks of one replica sample the same prompts."""
-        return self.layout.replica_of(self.rank)

@@ -24,9 +24,10 @@ import torch
 
 from ..components.captured_step import CapturedStep, plain_tensors
 from ..data.batching import collate, encode_visuals
+from ..distributed.fsdp import gathered
 from ..models.attention import PrefixState
-from ..models.qwen2_5_vl.parallelize import gathered
 from .kv_pool import DECODE_KERNELS, GroupedDecodeAttention, GroupKVPool, PoolTooSmallError
+from .protocol import RolloutCapabilities
 from .sampling import SamplingParams, sample, sample_seeds as default_seeds  # generate() has a sample_seeds
 
 
@@ -65,6 +66,11 @@ class RolloutStats:
 
 
 class RolloutEngine:
+    """The native engine (rollout.protocol.RolloutEngineProtocol): it decodes on the model it is given, the actor's
+    own parameters in the trainer, so every hook runs and a prefill computed with the actor is its own."""
+
+    capabilities = RolloutCapabilities()
+
     def __init__(self, model, *, kv_pool_bytes: int, max_batch: int = 256, kv_dtype: torch.dtype | None = None,
                  compile_decode: bool | None = None, prefill_tokens: int = 16384, check_interval: int | None = None,
                  pad_id: int = 0, decode_kernel: str | None = None, flex_options: dict | None = None,
@@ -146,6 +152,13 @@ class RolloutEngine:
         if self.pool is not None:
             self.pool.release()
 
+    def resume(self) -> None:
+        """Nothing to take back ahead of time: `generate` reserves the pool it needs (`_pool_for`)."""
+
+    def update_weights(self) -> None:
+        """Nothing to copy: the engine reads the actor's parameters themselves (a captured decode graph keeps their
+        addresses, which the optimizer updates in place)."""
+
     # ---- prefill -------------------------------------------------------------------------------------
     @torch.no_grad()
     def default_prefill(self, prompts: Sequence) -> PrefixState:
@@ -195,7 +208,7 @@ class RolloutEngine:
 
         on_samples_finished(outputs) is called at each check with the samples that have finished since the last
         one, while the others decode on (the runtime scores them in the decode window); they are the very outputs
-        that are returned. An FSDP2 model is gathered once for the whole call (`parallelize.gathered`): ranks decode
+        that are returned. An FSDP2 model is gathered once for the whole call (`distributed.fsdp.gathered`): ranks decode
         as many steps as their own samples need, with no collective per step."""
         with gathered(self.model):  # also with no prompts: a rank without any still joins the gathering
             if not prompts:

@@ -16,11 +16,11 @@ the prefix tensors detached, as leaves that require grad: their backward accumul
 into `.grad` at once and leaves the prefix tensors' gradients on the leaves; a second backward from the prefix
 tensors with those gradients adds the prefix part (tests/test_suffix_grad_memory.py measures the difference).
 
-The overlapped mode's fused prefill runs the prompts of one rollout prefill as one batched forward with autograd
-(as the no-grad prefill does), and each prompt's state is a slice of it. A graph can be backpropagated once, so
-the prefix part of those micro-batches is held back and run once for the whole batch in `finish_backward()`, after
-the epoch's last micro-batch: one batched prefix backward instead of one per prompt (the activations were held
-since rollout anyway).
+The overlapped mode's fused prefill (runtime/overlap.py) runs the prompts of one rollout prefill as one batched
+forward with autograd, and each prompt's state is a slice of it, held in the step's PrefixStore. A graph can be
+backpropagated once, so the prefix part of those micro-batches is held back and run once for the whole batch in
+`finish_backward()`, after the epoch's last micro-batch: one batched prefix backward instead of one per prompt (the
+activations were held since rollout anyway).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..data.batching import collate
 from ..models.attention import PrefixState
+from .overlap import PrefixStore
 from .prefix_graphs import PrefixGraphs
 from .scoring import ScoreRequest, TokenCounts, _patches, response_scores
 
@@ -44,16 +45,14 @@ def tower_trains(model) -> bool:
 class VisionCache:
     """Visual embeddings of this step's prompts, per vision tower, for towers that do not train.
 
-    Keyed by the tower module and the prompt object; `new_step()` clears it. A frozen actor tower shared with the
-    reference model (same module) therefore encodes each prompt exactly once per step.
+    Keyed by the tower module and the prompt object; one per step (the executor's, given to
+    DecomposedScorer.new_step). A frozen actor tower shared with the reference model (same module) therefore encodes
+    each prompt exactly once per step.
     """
 
     def __init__(self):
         self._store: dict[tuple[int, int, str], torch.Tensor] = {}
         self.encodes = 0
-
-    def new_step(self) -> None:
-        self._store.clear()
 
     def get(self, model, prompt, kind: str):
         """The prompt's visual embeddings from `model`'s tower (keyed by the tower: a reference sharing the actor's
@@ -120,52 +119,6 @@ class DeferredPrefix:
         return bool(self.gradients()[0])
 
 
-def prompt_part(state: PrefixState, b: int, length: int) -> PrefixState:
-    """Prompt b of a right-padded batch as a one-prompt state of its own length (differentiable views)."""
-    return PrefixState([t[b:b + 1, :, :length] for t in state.k], [t[b:b + 1, :, :length] for t in state.v],
-                       state.lengths[b:b + 1], state.next_position[b:b + 1], state.last_hidden[b:b + 1])
-
-
-class PrefixStore:
-    """Prefix states computed ahead of their consumer (in the rollout prefill or the decode window), held per
-    (model, prompt) until a scorer takes them. Taking removes them, so each is used once: the actor's prefix of θk
-    serves exactly the first training epoch. `batched` marks slices of one batched forward with autograd, whose
-    backward must wait for all of them (DecomposedScorer.finish_backward)."""
-
-    def __init__(self):
-        self._held: dict[tuple[int, int], tuple[PrefixState, bool]] = {}
-        self.served = 0  # takes that found their prefixes held (tests and metrics)
-
-    def put(self, model, prompt, state: PrefixState, batched: bool = False) -> None:
-        self._held[(id(model), id(prompt))] = (state, batched)
-
-    def has(self, model, prompt) -> bool:
-        return (id(model), id(prompt)) in self._held
-
-    def discard(self, model, prompt) -> None:
-        self._held.pop((id(model), id(prompt)), None)
-
-    def peek(self, model, prompt) -> PrefixState | None:
-        """The prompt's held state, left in the store."""
-        held = self._held.get((id(model), id(prompt)))
-        return None if held is None else held[0]
-
-    def take(self, model, prompts) -> tuple[PrefixState, bool] | None:
-        """(the prompts' held states merged, whether any is a slice of a batched graph), or None."""
-        keys = [(id(model), id(p)) for p in prompts]
-        if not keys or not all(k in self._held for k in keys):
-            return None
-        self.served += 1
-        held = [self._held.pop(k) for k in keys]
-        return merge_prefix_states([state for state, _ in held]), any(batched for _, batched in held)
-
-    def clear(self) -> None:
-        self._held.clear()
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-
 class DecomposedScorer:
     """split_prefix_backward: with autograd on, the suffixes read detached prefix leaves and `backward(loss)` runs
     the suffix part, then the prefix part (see the module docstring); False keeps one backward through both
@@ -184,9 +137,11 @@ class DecomposedScorer:
         self.counts = TokenCounts()
         self.serial_equivalent_tokens = 0  # what SerialScorer would have run for the same requests
 
-    def new_step(self) -> None:
-        self.vision.new_step()
-        self.store.clear()
+    def new_step(self, store: PrefixStore | None = None, vision: VisionCache | None = None) -> None:
+        """A new step with its step-scoped state, the executor's for this step: the held prefixes (`store`, which
+        the overlap code fills) and the frozen tower's encodings (`vision`); fresh ones when None."""
+        self.vision = vision if vision is not None else VisionCache()
+        self.store = store if store is not None else PrefixStore()
         self._deferred.clear()
         self._held_back = ([], [])
 
@@ -243,7 +198,7 @@ class DecomposedScorer:
         batch = collate(model.args, prompts, pad_id=self.pad_id).to(device)
         held = self.store.take(model, prompts)
         if held is not None:
-            return held[0], batch, held[1]
+            return merge_prefix_states(held[0]), batch, held[1]
         graphs = self.prefix_graphs.get(id(model))
         if graphs is not None and not torch.is_grad_enabled():
             states = []
@@ -301,34 +256,12 @@ class DecomposedScorer:
         self.serial_equivalent_tokens += response_tokens
         return response_scores(model, hidden, request.tokens, temperature, with_entropy)
 
-    def rollout_prefill(self, model, keep_for_training: bool = False):
-        """A prefill for the rollout engine that takes the visual embeddings from this step's cache, so the
-        frozen tower's one encoding per prompt also serves rollout.
-
-        keep_for_training: run the prefill with autograd kept and hold each prompt's part in the store, so the
-        actor's first training epoch reuses it instead of running the same prefix forward again (fusion). The
-        prompts of one call run as one batch, as without autograd; each held part is a slice of that batch's graph
-        (module docstring: its backward waits for `finish_backward`).
-        """
+    def rollout_prefill(self, model):
+        """A no-grad prefill for the rollout engine that takes the visual embeddings from this step's cache, so the
+        frozen tower's one encoding per prompt also serves rollout (the fused prefill is overlap.fused_prefill)."""
 
         @torch.no_grad()
         def prefill(prompts):
             return self.prefix(model, prompts)[0]
 
-        def fused_prefill(prompts):
-            with torch.enable_grad():  # the parts too: a view made under no_grad would cut them from the graph
-                state = self.prefix(model, prompts)[0]
-                for b, p in enumerate(prompts):
-                    part = state if len(prompts) == 1 else prompt_part(state, b, len(p.input_ids))
-                    self.store.put(model, p, part, batched=len(prompts) > 1)
-            self.counts.add(TokenCounts(prefix_tokens=sum(len(p.input_ids) for p in prompts)))
-            return state.detach()
-
-        return fused_prefill if keep_for_training else prefill
-
-    def compute_and_hold(self, model, prompt) -> None:
-        """Reference-side prefix of one prompt, computed ahead of its scoring (decode-window slice)."""
-        with torch.no_grad():
-            state = self.prefix(model, [prompt])[0]
-        self.store.put(model, prompt, state)
-        self.counts.add(TokenCounts(prefix_tokens=len(prompt.input_ids)))
+        return prefill

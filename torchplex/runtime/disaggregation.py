@@ -18,8 +18,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..components.master_weights import split_chunks
+from .master_weights import split_chunks
 from ..rollout.engine import RolloutStats, SampleOutput
+from ..rollout.protocol import RolloutCapabilities, reject_unsupported_hooks
 
 
 def _sync(device: torch.device) -> None:
@@ -133,19 +134,28 @@ def send_outputs(outputs: list[list[SampleOutput]], max_new: int, *, src: int, d
 class RemoteRollout:
     """The trainer's stand-in for a RolloutEngine: `generate` receives the samples the rollout rank broadcasts.
 
-    It has the engine's call signature, so the StepRunner runs unchanged on the trainer: its "rollout" phase is
-    then the wait for the rollout rank. The prefill/decode-window hooks cannot reach a remote engine and are
-    ignored (so an overlapped schedule degenerates to the decomposed one here).
+    It has the engine's call signature, so the StepRunner runs unchanged on the trainer: its "rollout" stage is
+    then the wait for the rollout rank. The prefill/decode-window hooks cannot reach a remote engine: declared in
+    `capabilities`, so the planner leaves an overlapped schedule's fusion and window work on the trainer's main
+    stream (and says so in the schedule's reasons). The weights travel the other way with `WeightTransfer`, which
+    the caller runs after each optimizer step (both processes take part in that broadcast).
     """
+
+    capabilities = RolloutCapabilities(
+        prefill_hook=False, samples_finished_hook=False, step_hook=False, shares_actor_weights=False,
+        why_not="disaggregated: rollout runs in another process")
 
     src: int
     device: torch.device
     group: object = None
     stats: RolloutStats = field(default_factory=RolloutStats)
     last_wait_s: float = 0.0
+    weights: WeightTransfer | None = None  # the trainer's side of the weight broadcast, run by update_weights
 
     def generate(self, prompts: Sequence, params, *, sample_seeds=None, on_step=None, prefill_fn=None,
                  on_samples_finished=None):
+        reject_unsupported_hooks("RemoteRollout", self.capabilities, on_step=on_step, prefill_fn=prefill_fn,
+                                 on_samples_finished=on_samples_finished)
         n, max_new = params.n, params.max_new_tokens
         ids = torch.empty(len(prompts) * n, max_new + 2, dtype=torch.long, device=self.device)
         logprobs = torch.empty(len(prompts) * n, max_new, dtype=torch.float32, device=self.device)
@@ -157,4 +167,11 @@ class RemoteRollout:
         return outputs
 
     def release(self) -> None:
+        pass  # nothing held on the trainer between steps
+
+    def resume(self) -> None:
         pass
+
+    def update_weights(self) -> TransferStats | None:
+        """Send the updated parameters to the rollout process (a collective with its receiving `run`)."""
+        return self.weights.run() if self.weights is not None else None

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..components.optim import clip_grad_norm
-from ..models.qwen2_5_vl.parallelize import reshard
+from ..distributed.fsdp import reshard
 from ..rl.advantages import compute_advantages, dynamic_sampling_keep
 from ..rl.losses import BatchTotals, LossStats, PolicyLossConfig, kl_penalty, policy_loss
 from ..rl.rewards import combine_rewards, is_correct

@@ -28,7 +28,7 @@ A *streamed* offload group (`chunks`) is needed in one phase only and never held
 chunks with `MemoryManager.stream()`, which prefetches chunk i+1 while chunk i is used and copies chunk i out after,
 keeping at most the plan's `stream_window_bytes` of the group on the device (chunks in use, coming in, or still
 being copied out). The phase before may prefetch the first chunks where the budget allows. This is how the AdamW
-state (2 x fp32 per parameter) goes through the optimizer phase (`components/master_weights.py`). Where every phase
+state (2 x fp32 per parameter) goes through the optimizer phase (`runtime/master_weights.py`). Where every phase
 has room, the plan may keep a streamed group's first chunks *resident* (`MemoryPlan.build(max_resident_chunks=...)`):
 they never move, so each one saves two copies per step; the stream yields them without waiting.
 

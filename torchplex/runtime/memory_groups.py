@@ -117,11 +117,14 @@ def grads_group(name: str, module: torch.nn.Module, needed_in: Iterable[str]) ->
     return TensorGroup(name, frozenset(needed_in), "transient", nbytes=size)
 
 
-def kv_pool_group(pool, needed_in: Iterable[str] = ("rollout",), name: str = "kv_pool") -> TensorGroup:
-    """A `GroupKVPool` (anything with release()/reserve()): its contents die with each rollout, so it is freed
-    rather than copied."""
-    return TensorGroup(name, frozenset(needed_in), "release", nbytes=pool.num_groups * pool.bytes_per_group,
-                       release=pool.release, reserve=pool.reserve)
+def kv_pool_group(pool, needed_in: Iterable[str] = ("rollout",), name: str = "kv_pool",
+                  nbytes: int | None = None) -> TensorGroup:
+    """A `GroupKVPool` (release()/reserve()), or a rollout engine (rollout/protocol.py: release()/resume()) whose
+    pool is planned at `nbytes`: its contents die with each rollout, so it is freed rather than copied."""
+    if nbytes is None:
+        nbytes = pool.num_groups * pool.bytes_per_group
+    reserve = pool.reserve if hasattr(pool, "reserve") else pool.resume
+    return TensorGroup(name, frozenset(needed_in), "release", nbytes=nbytes, release=pool.release, reserve=reserve)
 
 
 def window_bytes(chunk_bytes: list[int], window: int) -> int:

@@ -4,20 +4,25 @@ A schedule lists the step's phases in execution order, each with the phases it d
 (`placement`), and the memory it holds while it runs. The executor (`executor.py`) only follows it, so the same
 phase code runs in every mode and a schedule can be printed, tested and drawn before anything runs.
 
-Placements:
+Phase names and placements come from `phases.py` (the one vocabulary). Placements:
   main          on the main stream, after its dependencies
   fused:<P>     no work of its own: computed inside phase P (the actor prefix inside the rollout prefill, which is the
                 same forward on the same weights θk, run once with autograd kept)
   window        inside the rollout decode window: on a second host thread whose CUDA work runs on a side stream
                 (runtime/window.py: ordered by events, submitted as its inputs exist), in program order on CPU
 Modes: "serial" (full prompt+response forwards), "decomposed" (prefix once per prompt, after rollout) and
-"overlapped" (decomposed + fusion + window placement where the planner predicts it pays).
+"overlapped" (decomposed + fusion + window placement where the planner predicts it pays, and where the rollout
+engine supports it: `rollout.protocol.RolloutCapabilities`; otherwise the schedule's reasons say why not).
+Each phase runs inside one main-stream stage (`Phase.stage`); `Schedule.stages()` is what the executor loops over.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+
+from ..rollout.protocol import RolloutCapabilities
+from .phases import FUSED, MAIN, WINDOW, PhaseName, Stage, fused_into, stage_of, window_of
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,7 @@ class StepShape:
     vision_trainable: bool = True
     ppo_epochs: int = 1
     kv_bytes_per_token: int = 0             # K+V over all layers, one token, one model
-    activation_bytes_per_token: int = 0     # what a prefix forward with autograd holds per token
+    activation_bytes_per_token: float = 0   # what a prefix forward with autograd holds per token
     device: str = "cpu"
 
     @property
@@ -63,12 +68,28 @@ class PlanOptions:
 
 @dataclass(frozen=True)
 class Phase:
-    name: str
-    placement: str = "main"
+    name: PhaseName
+    placement: str = MAIN
     depends_on: tuple[str, ...] = ()
-    holds_bytes: int = 0
+    holds_bytes: int = 0  # what the phase keeps alive until its consumer runs (checked: tests/test_phase_bytes.py)
     tokens: int = 0       # decoder token-forwards the phase runs (per model)
     note: str = ""
+
+    @property
+    def stage(self) -> Stage:
+        """The stage the phase's work runs in."""
+        return stage_of(self.name, self.placement)
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """Every stage the phase takes part in: a windowed phase's own stage still runs what the window did not
+        finish (the reference samples it had not scored when decode ended)."""
+        own = stage_of(self.name, MAIN)
+        return (self.stage,) if not self.in_window or own == self.stage else (self.stage, own)
+
+    @property
+    def in_window(self) -> bool:
+        return self.placement.startswith(WINDOW)
 
 
 @dataclass
@@ -86,6 +107,15 @@ class Schedule:
     def has(self, name: str) -> bool:
         return any(p.name == name for p in self.phases)
 
+    def placed(self, name: str, placement: str) -> bool:
+        """Whether phase `name` is scheduled with this placement."""
+        return self.has(name) and self.phase(name).placement == placement
+
+    def stages(self) -> list[Stage]:
+        """The main-stream stages the phases run in, in execution order (the executor's loop)."""
+        order = list(Stage)
+        return sorted({st for p in self.phases for st in p.stages}, key=order.index)
+
     def validate(self) -> None:
         """Every dependency exists and comes earlier; fused phases name an existing host phase."""
         seen: set[str] = set()
@@ -93,33 +123,37 @@ class Schedule:
             for d in p.depends_on:
                 if d not in seen:
                     raise ValueError(f"phase {p.name!r} depends on {d!r}, which does not run before it")
-            if p.placement.startswith("fused:") and p.placement.split(":", 1)[1] not in seen:
+            if p.placement.startswith(FUSED) and p.placement.split(":", 1)[1] not in seen:
                 raise ValueError(f"phase {p.name!r} is fused into a phase that does not run before it")
             seen.add(p.name)
 
     def __str__(self) -> str:
-        lines = [f"{self.mode} step schedule", f"{'phase':<16}{'placement':<24}{'after':<34}{'tokens':>9}{'holds MiB':>11}"]
+        lines = [f"{self.mode} step schedule",
+                 f"{'phase':<16}{'placement':<24}{'after':<34}{'tokens':>9}{'holds MiB':>11}"]
         for p in self.phases:
             lines.append(f"{p.name:<16}{p.placement:<24}{','.join(p.depends_on) or '-':<34}{p.tokens:>9}"
-                         f"{p.holds_bytes / 2**20:>11.1f}")
+                         f"{p.holds_bytes / 2**20:>11.1f}" + (f"  {p.note}" if p.note else ""))
         lines += [f"  - {r}" for r in self.reasons]
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        return json.dumps({"mode": self.mode, "phases": [asdict(p) for p in self.phases], "reasons": self.reasons},
-                          indent=2)
+        phases = [{**asdict(p), "stage": p.stage} for p in self.phases]
+        return json.dumps({"mode": self.mode, "phases": phases, "reasons": self.reasons}, indent=2)
 
 
-def plan_step(shape: StepShape, options: PlanOptions) -> Schedule:
+def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabilities = RolloutCapabilities()
+              ) -> Schedule:
+    """The step's schedule; `rollout` is what the engine supports (fusion and window work only where it can)."""
     g, P = shape.group_size, shape.prefix_tokens
     R = len(shape.prompt_lengths) * g * shape.max_new_tokens  # upper bound on response tokens
     kv_pool = shape.kv_bytes_per_token * (P + R)
     if options.mode == "serial":
         serial_tokens = g * P + R
         s = Schedule("serial", [
-            Phase("rollout", holds_bytes=kv_pool, tokens=P + R),
-            Phase("ref", depends_on=("rollout",), tokens=serial_tokens) if shape.has_reference else None,
-            Phase("train", depends_on=("rollout",) + (("ref",) if shape.has_reference else ()), tokens=serial_tokens),
+            Phase(PhaseName.ROLLOUT, holds_bytes=kv_pool, tokens=P + R),
+            Phase(PhaseName.REF, depends_on=("rollout",), tokens=serial_tokens) if shape.has_reference else None,
+            Phase(PhaseName.TRAIN, depends_on=("rollout",) + (("ref",) if shape.has_reference else ()),
+                  tokens=serial_tokens),
         ])
         s.phases = [p for p in s.phases if p is not None]
         s.reasons.append("serial: every sample is a full prompt+response forward in ref and train")
@@ -129,34 +163,47 @@ def plan_step(shape: StepShape, options: PlanOptions) -> Schedule:
         raise ValueError(f"runtime.mode must be serial, decomposed or overlapped, got {options.mode!r}")
     s = Schedule(options.mode)
     overlapped = options.mode == "overlapped"
-    held = shape.activation_bytes_per_token * P
+    held = round(shape.activation_bytes_per_token * P)
     fuse = overlapped and options.fuse_actor_prefix
+    if fuse and not (rollout.prefill_hook and rollout.shares_actor_weights):
+        fuse = False
+        missing = _missing(rollout, "prefill_hook", "shares_actor_weights")
+        s.reasons.append(f"actor prefix not fused: the rollout engine {missing} ({rollout.why_not})")
     if fuse and held > options.held_activation_budget_bytes:
         fuse = False
-        s.reasons.append(f"actor prefix not fused: holding its activations across rollout needs {held / 2**30:.2f} GiB, "
-                         f"over the {options.held_activation_budget_bytes / 2**30:.2f} GiB budget")
+        s.reasons.append(f"actor prefix not fused: holding its activations across rollout needs "
+                         f"{held / 2**30:.2f} GiB, over the {options.held_activation_budget_bytes / 2**30:.2f} GiB budget")
     suffix_window = overlapped and options.ref_suffix_in_window and shape.has_reference
     # the window scores samples on their prompt's reference prefix, so it computes that prefix too
     window = suffix_window or (overlapped and options.ref_prefix_in_window and shape.has_reference)
+    if window and not rollout.step_hook:  # the window's first jobs start once decode has begun (on_step)
+        window = suffix_window = False
+        s.reasons.append(f"reference not in the decode window: the rollout engine {_missing(rollout, 'step_hook')} "
+                         f"({rollout.why_not}); it runs after rollout, in the ref stage")
+    if suffix_window and not rollout.samples_finished_hook:
+        suffix_window = False
+        window = options.ref_prefix_in_window
+        s.reasons.append(f"reference suffixes not scored in the decode window: the rollout engine "
+                         f"{_missing(rollout, 'samples_finished_hook')} ({rollout.why_not})")
     if not shape.vision_trainable:
-        s.phases.append(Phase("vision", note="frozen tower: one encoding per prompt serves every phase"))
+        s.phases.append(Phase(PhaseName.VISION, note="frozen tower: one encoding per prompt serves every phase"))
     first = ("vision",) if not shape.vision_trainable else ()
-    s.phases.append(Phase("rollout", depends_on=first, holds_bytes=kv_pool + (held if fuse else 0), tokens=P + R,
-                          note="prefill with autograd kept" if fuse else ""))
+    s.phases.append(Phase(PhaseName.ROLLOUT, depends_on=first, holds_bytes=kv_pool + (held if fuse else 0),
+                          tokens=P + R, note="prefill with autograd kept" if fuse else ""))
     if fuse:
-        s.phases.append(Phase("actor_prefix", placement="fused:rollout", depends_on=("rollout",), holds_bytes=held,
-                              tokens=0, note="epoch 0 reuses the rollout prefill's graph"))
+        s.phases.append(Phase(PhaseName.ACTOR_PREFIX, placement=fused_into(PhaseName.ROLLOUT), depends_on=("rollout",),
+                              holds_bytes=held, tokens=0, note="epoch 0 reuses the rollout prefill's graph"))
         s.reasons.append("actor prefix fused into the rollout prefill: same forward on the same weights θk, so "
                          "training runs no separate prefix forward in epoch 0")
     if shape.has_reference:
         ref_kv = shape.kv_bytes_per_token * P
         if window:
-            s.phases.append(Phase("ref_prefix", placement="window:rollout", depends_on=first, holds_bytes=ref_kv,
-                                  tokens=P))
+            s.phases.append(Phase(PhaseName.REF_PREFIX, placement=window_of(PhaseName.ROLLOUT), depends_on=first,
+                                  holds_bytes=ref_kv, tokens=P))
             s.reasons.append("reference prefix K/V computed in the rollout decode window (second host thread, side "
                              "stream): its host-bound launches run beside the decode loop's")
         else:
-            s.phases.append(Phase("ref_prefix", depends_on=("rollout",), holds_bytes=ref_kv, tokens=P))
+            s.phases.append(Phase(PhaseName.REF_PREFIX, depends_on=("rollout",), holds_bytes=ref_kv, tokens=P))
             if overlapped:
                 s.reasons.append("reference prefix after rollout: the decode window hides only host-bound work "
                                  "(measured on the H200); set ref_prefix_in_window to place it there")
@@ -165,15 +212,20 @@ def plan_step(shape: StepShape, options: PlanOptions) -> Schedule:
                              "GPU): microseconds of host time per prompt instead of one launch per kernel")
         if suffix_window:
             batch = options.sample_batch(g)
-            s.phases.append(Phase("ref_suffix", placement="window:rollout", depends_on=("rollout", "ref_prefix"),
-                                  tokens=R, note=f"per {batch} finished samples of a prompt, and its last ones"))
+            s.phases.append(Phase(PhaseName.REF_SUFFIX, placement=window_of(PhaseName.ROLLOUT),
+                                  depends_on=("rollout", "ref_prefix"), tokens=R,
+                                  note=f"per {batch} finished samples of a prompt, and its last ones"))
             s.reasons.append("reference suffixes of finished samples scored in the decode window: the slowest "
                              "samples decode on while the others are scored")
         else:
-            s.phases.append(Phase("ref_suffix", depends_on=("rollout", "ref_prefix"), tokens=R))
+            s.phases.append(Phase(PhaseName.REF_SUFFIX, depends_on=("rollout", "ref_prefix"), tokens=R))
     train_deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ()) + (("actor_prefix",) if fuse else ())
     prefix_tokens = (shape.ppo_epochs - 1) * P if fuse else shape.ppo_epochs * P
-    s.phases.append(Phase("train", depends_on=train_deps, tokens=prefix_tokens + shape.ppo_epochs * R,
+    s.phases.append(Phase(PhaseName.TRAIN, depends_on=train_deps, tokens=prefix_tokens + shape.ppo_epochs * R,
                           note=f"{shape.ppo_epochs} epoch(s); the prefix is recomputed after each optimizer step"))
     s.validate()
     return s
+
+
+def _missing(rollout: RolloutCapabilities, *names: str) -> str:
+    return "has no " + " and no ".join(n for n in names if not getattr(rollout, n)).replace("_", " ")

@@ -17,11 +17,13 @@ Each sample's random stream is fixed by its seed (rollout/sampling.py), so which
 not change its tokens: rollout_tp = 1 and rollout_tp = tp draw the same samples up to the rounding of the TP'd
 matmuls.
 
-Not done here: the overlapped schedule's fused actor prefix (the actor's prefix K/V holds the actor's TP heads,
-the rollout pool needs the rollout's), so the trainer turns fusion off when rollout_tp != tp; the rollout
-prefill encodes its prompts' images with the rollout model's own (shared) tower; the decode-window callbacks
-(`on_step`, `on_samples_finished`) are not forwarded, since replicas decode different numbers of steps (the window's work
-then runs after rollout, in the reference phase).
+What it does not support, declared in `capabilities` (rollout/protocol.py) so the planner places nothing there
+and records why: the fused actor prefix and any prefill hook (the actor's prefix K/V holds the actor's TP heads,
+the rollout pool needs the rollout's; the rollout prefill encodes its prompts' images with the rollout model's
+own, shared, tower); the decode-window hooks (`on_step`, `on_samples_finished`), since replicas decode different
+prompts for different numbers of steps, and window work on the actor-TP reference would be a collective the
+ranks reach at different times (the reference is then scored after rollout, in the ref stage). Given a hook
+anyway, `generate` raises.
 """
 
 from __future__ import annotations
@@ -35,11 +37,16 @@ import torch.distributed as dist
 from ..distributed.mesh import ParallelDims
 from ..distributed.weight_sharing import WeightSharer
 from ..rollout.engine import RolloutEngine, SampleOutput
+from ..rollout.protocol import RolloutCapabilities, reject_unsupported_hooks
 from ..rollout.sampling import SamplingParams, sample_seeds as default_seeds  # generate() has a sample_seeds
 
 
 class SharedRolloutEngine:
     """RolloutEngine on the rollout model of a WeightSharer; collective: every rank calls `generate` together."""
+
+    capabilities = RolloutCapabilities(
+        prefill_hook=False, samples_finished_hook=False, step_hook=False, shares_actor_weights=False,
+        why_not="rollout_tp != tp: rollout replicas hold other TP heads and decode different prompts")
 
     def __init__(self, actor, parallel_dims: ParallelDims | None, t_roll: int, **engine_kwargs):
         self.sharer = WeightSharer.for_actor(actor, parallel_dims, t_roll)
@@ -72,16 +79,25 @@ class SharedRolloutEngine:
     def release(self) -> None:
         self.engine.release()
 
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def update_weights(self) -> None:
+        """Resync the rollout weights from the actor (FSDP2 regather + refill of rebuilt buffers); `generate` does
+        it first, since every rollout follows an optimizer step."""
+        self.resync_seconds.append(self.sharer.resync())
+
     def generate(self, prompts: Sequence, params: SamplingParams, *,
                  sample_seeds: Sequence[Sequence[int]] | None = None,
                  on_step: Callable | None = None, prefill_fn: Callable | None = None,
                  on_samples_finished: Callable | None = None) -> list[list[SampleOutput]]:
-        """Outputs[prompt][sample] for this rank's prompts, as RolloutEngine.generate. `prefill_fn` (bound to the
-        actor) and the decode-window callbacks are not used: see the module doc."""
-        del on_step, prefill_fn, on_samples_finished
+        """Outputs[prompt][sample] for this rank's prompts, as RolloutEngine.generate. No hooks: see the module doc
+        (raises if given one)."""
+        reject_unsupported_hooks("SharedRolloutEngine", self.capabilities, on_step=on_step, prefill_fn=prefill_fn,
+                                 on_samples_finished=on_samples_finished)
         # the engine's numbering when none are given, fixed before the batch is split so each part numbers alike
         seeds = [list(s) for s in (sample_seeds or default_seeds(params.seed, params.n, range(len(prompts))))]
-        self.resync_seconds.append(self.sharer.resync())
+        self.update_weights()
         try:
             if self.layout.t_roll < self.layout.t_train:
                 return self._split_over_replicas(list(prompts), params, seeds)

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import torch
 
-
-PHASE_COLOURS = {"vision": "tab:gray", "rollout": "tab:red", "ref": "tab:blue", "ref_prefix": "tab:orange",
-                 "ref_suffix": "tab:green", "train": "tab:purple"}
+from .phases import PHASE_COLOURS
 
 
 @dataclass

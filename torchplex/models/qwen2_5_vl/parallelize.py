@@ -23,15 +23,13 @@ No sequence parallelism: the attention contexts need the whole sequence, and nor
 
 from __future__ import annotations
 
-import weakref
-from contextlib import contextmanager
-
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
+from torchplex.distributed.fsdp import remember_reshard_after_forward
 from torchplex.distributed.mesh import ParallelDims
 from .model import Qwen2_5_VLModel
 
@@ -125,57 +123,13 @@ def apply_fsdp(model: Qwen2_5_VLModel, dp_mesh, param_dtype: torch.dtype, reduce
     common = dict(mesh=dp_mesh, mp_policy=mp)
     for unit in [*model.visual.blocks, model.visual, *model.layers]:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **common)
-        _RESHARD_AFTER_FORWARD[unit] = reshard_after_forward
+        remember_reshard_after_forward(unit, reshard_after_forward)
     # reshard_after_forward left unset on the root: FSDP2 then keeps the root unit gathered from its first
     # call until the end of backward, so chunked `logits` calls do not all-gather the LM head per chunk.
     # The price is that a no-grad call (rollout, reference log-probs) leaves it gathered: see `reshard`.
     fully_shard(model, **common)
     for method in ROOT_METHODS:
         register_fsdp_forward_method(model, method)
-
-
-# How apply_fsdp set each non-root unit, so `gathered` can set it back (FSDP2 has no public getter).
-_RESHARD_AFTER_FORWARD: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
-
-
-@contextmanager
-def gathered(model: nn.Module | None):
-    """Every FSDP2 unit of `model` gathered once on entry and kept gathered through every forward inside the block;
-    resharded on exit and set back to how `apply_fsdp` configured it. A no-op without FSDP2.
-
-    For phases whose number of forwards differs between data-parallel ranks: rollout (each rank decodes until its
-    own samples stop, and prefills as many batches as its prompts need) and reference scoring (frozen weights, as
-    many micro-batches as a rank has samples left). With per-forward all-gathers a rank that runs fewer forwards
-    leaves the others waiting in a collective; gathered, those forwards run no collectives at all. The cost is the
-    model's full (TP-local) weights on every rank for the phase. Gradients recorded inside (the rollout prefill kept
-    for training) still reduce at their backward as usual.
-    """
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
-    if not units:
-        yield
-        return
-    for unit in units:  # every rank in the same order: unshard is a collective
-        unit.set_reshard_after_forward(False, recurse=False)
-        unit.unshard()
-    try:
-        yield
-    finally:
-        for unit in units:  # the root (not in the map) keeps FSDP2's own root behaviour: gathered after forward
-            unit.set_reshard_after_forward(_RESHARD_AFTER_FORWARD.get(unit, False), recurse=False)
-        reshard(model)
-
-
-def reshard(model: nn.Module) -> None:
-    """Free every FSDP2 unit's gathered parameters; a no-op for units already sharded or without FSDP.
-
-    Call it after a no-grad phase. The root unit (embeddings, final norm, LM head) is only resharded at the
-    end of a backward, so after forward-only calls it stays gathered: that memory stays in use, an optimizer
-    built then would see the gathered copies instead of the sharded parameters, and an optimizer step taken
-    then would not reach the gathered copy the next forward reuses.
-    """
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def parallelize_qwen2_5_vl(

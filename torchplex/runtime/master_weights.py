@@ -31,7 +31,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..runtime.memory import TensorGroup
+from .memory_groups import TensorGroup
 
 
 def split_chunks(numels: list[int], chunk_numel: int, keys: Sequence | None = None) -> list[list[int]]:

@@ -1,0 +1,63 @@
+"""What the step runtime asks of a rollout engine, and what each engine declares it supports.
+
+The shape follows verl's `BaseRollout` (generate, update weights, release, resume): the runtime calls
+`update_weights()` before a rollout whose policy changed since the last one, `generate` to sample, `release()`
+to hand the engine's memory (KV pool, gathered weights) back for the phases after rollout, and `resume()` before
+the next generate. Engines whose weights are the actor's own storage do nothing in `update_weights`.
+
+Capabilities are declared, not discovered: the planner (runtime/planner.py) places fused or decode-window work
+only where the engine supports it and records in the schedule why it did not otherwise. An engine given a hook it
+does not support raises (`reject_unsupported_hooks`) instead of dropping it, so a schedule can never say
+`window:rollout` while nothing runs there. This is the seam an SGLang backend plugs into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence, runtime_checkable
+
+
+@dataclass(frozen=True)
+class RolloutCapabilities:
+    """prefill_hook        `prefill_fn` replaces the engine's prefill (fusion: the actor prefix kept for training)
+    samples_finished_hook `on_samples_finished` is called with samples as they finish (window scoring)
+    step_hook            `on_step` is called after every decode step (window work once decode began)
+    shares_actor_weights the engine decodes on the actor's own parameters, so prefix state it computes with the
+                         actor (and its TP heads) is the actor's
+    why_not              one line per missing capability, for the schedule's reasons"""
+
+    prefill_hook: bool = True
+    samples_finished_hook: bool = True
+    step_hook: bool = True
+    shares_actor_weights: bool = True
+    why_not: str = ""
+
+
+@runtime_checkable
+class RolloutEngineProtocol(Protocol):
+    capabilities: RolloutCapabilities
+
+    def generate(self, prompts: Sequence, params, *, sample_seeds: Sequence[Sequence[int]] | None = None,
+                 on_step: Callable | None = None, prefill_fn: Callable | None = None,
+                 on_samples_finished: Callable | None = None) -> list:
+        """outputs[prompt][sample] (rollout.engine.SampleOutput); hooks only where `capabilities` allow."""
+
+    def update_weights(self) -> None:
+        """Make the next generate sample from the actor's current weights."""
+
+    def release(self) -> None:
+        """Free what generate holds (KV pool, gathered weights) until `resume`."""
+
+    def resume(self) -> None:
+        """Take back what `release` freed (a no-op where generate allocates lazily)."""
+
+
+def reject_unsupported_hooks(engine_name: str, capabilities: RolloutCapabilities, *, on_step=None, prefill_fn=None,
+                             on_samples_finished=None) -> None:
+    """Raise for a hook the engine does not run: a dropped hook would make the step's schedule lie."""
+    given = {"on_step": (on_step, capabilities.step_hook), "prefill_fn": (prefill_fn, capabilities.prefill_hook),
+             "on_samples_finished": (on_samples_finished, capabilities.samples_finished_hook)}
+    unsupported = [name for name, (hook, ok) in given.items() if hook is not None and not ok]
+    if unsupported:
+        raise ValueError(f"{engine_name} does not support {', '.join(unsupported)} ({capabilities.why_not}); the "
+                         f"planner should not have placed work there (runtime/planner.py reads its capabilities)")

@@ -1,0 +1,242 @@
+"""Overlap (Rollplex mechanism 2): scoring work moved into the rollout, where the schedule places it.
+
+  fusion         the actor's prompt prefix computed by the rollout prefill itself, with autograd kept
+                 (`fused_prefill`): the same forward on the same weights θk, so the first training epoch reuses its
+                 graph instead of running the prefix again. The prompts of one prefill run as one batched forward;
+                 each prompt's state is a slice of it, whose backward waits for the whole batch
+                 (DecomposedScorer.finish_backward).
+  held prefixes  `PrefixStore`: prefix states computed ahead of their consumer (in the rollout prefill or the decode
+                 window), held per (model, prompt) until a scorer takes them, each once.
+  window jobs    `DecodeWindowJobs`: the reference prefixes once decode has begun, and the reference log-probs of
+                 samples as they finish, as the engine's `on_step` / `on_samples_finished` hooks submitting jobs to
+                 the decode window (runtime/window.py: a second host thread, its CUDA work on a side stream).
+
+Everything here is step-scoped and handed over explicitly: the executor makes one PrefixStore per step, gives it
+to the scorer (`DecomposedScorer.new_step`) and to these functions. The numbers do not depend on where the work
+ran (tests/test_overlap.py holds the overlapped step to the decomposed one).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ..models.attention import PrefixState
+from .grpo_step import request_from_outputs
+from .phases import PhaseName, fused_into
+from .planner import Schedule
+from .scoring import TokenCounts
+from .timeline import Timeline
+from .window import WindowWorker
+
+
+def kv_bytes(state: PrefixState) -> int:
+    """Bytes of a prefix state's K/V over all layers (what the planner's holds_bytes counts for a prefix)."""
+    return sum(t.numel() * t.element_size() for t in state.k + state.v)
+
+
+class PrefixStore:
+    """Prefix states computed ahead of their consumer, held per (model, prompt) until a scorer takes them. Taking
+    removes them, so each is used once: the actor's prefix of θk serves exactly the first training epoch. `batched`
+    marks slices of one batched forward with autograd, whose backward must wait for all of them."""
+
+    def __init__(self):
+        self._held: dict[tuple[int, int], tuple[PrefixState, bool]] = {}
+        self.served = 0  # takes that found their prefixes held (tests and metrics)
+        self._kv_bytes: dict[int, int] = {}       # id(model) -> K/V bytes held now
+        self.peak_kv_bytes: dict[int, int] = {}   # id(model) -> the most K/V bytes held at once (checked vs plan)
+        # id(model) -> (bytes the fused prefills' autograd graphs saved, their prompt tokens): what fusion holds
+        # from rollout to training besides the K/V
+        self.graph_bytes: dict[int, tuple[int, int]] = {}
+
+    def _count(self, model_id: int, delta: int) -> None:
+        now = self._kv_bytes.get(model_id, 0) + delta
+        self._kv_bytes[model_id] = now
+        self.peak_kv_bytes[model_id] = max(self.peak_kv_bytes.get(model_id, 0), now)
+
+    def put(self, model, prompt, state: PrefixState, batched: bool = False) -> None:
+        self.discard(model, prompt)
+        self._held[(id(model), id(prompt))] = (state, batched)
+        self._count(id(model), kv_bytes(state))
+
+    def has(self, model, prompt) -> bool:
+        return (id(model), id(prompt)) in self._held
+
+    def _pop(self, key) -> tuple[PrefixState, bool]:
+        state, batched = self._held.pop(key)
+        self._count(key[0], -kv_bytes(state))
+        return state, batched
+
+    def discard(self, model, prompt) -> None:
+        if (id(model), id(prompt)) in self._held:
+            self._pop((id(model), id(prompt)))
+
+    def peek(self, model, prompt) -> PrefixState | None:
+        """The prompt's held state, left in the store."""
+        held = self._held.get((id(model), id(prompt)))
+        return None if held is None else held[0]
+
+    def take(self, model, prompts) -> tuple[list[PrefixState], bool] | None:
+        """(the prompts' held states, whether any is a slice of a batched graph), or None unless all are held."""
+        keys = [(id(model), id(p)) for p in prompts]
+        if not keys or not all(k in self._held for k in keys):
+            return None
+        self.served += 1
+        held = [self._pop(k) for k in keys]
+        return [state for state, _ in held], any(batched for _, batched in held)
+
+    def clear(self) -> None:
+        self._held.clear()
+        self._kv_bytes.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+def prompt_part(state: PrefixState, b: int, length: int) -> PrefixState:
+    """Prompt b of a right-padded batch as a one-prompt state of its own length (differentiable views)."""
+    return PrefixState([t[b:b + 1, :, :length] for t in state.k], [t[b:b + 1, :, :length] for t in state.v],
+                       state.lengths[b:b + 1], state.next_position[b:b + 1], state.last_hidden[b:b + 1])
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the distinct storages an autograd graph saves for backward while active, the model's parameters left
+    out (they are held anyway): the activations a graph kept alive until its backward."""
+
+    def __init__(self, model):
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._seen: set[int] = set()
+        self.nbytes = 0
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._seen and key not in self._params:
+            self._seen.add(key)
+            self.nbytes += storage.nbytes()
+        return t.detach()  # what autograd keeps: the tensor itself would tie a saved output to its own grad_fn
+
+
+def fused_prefill(scorer, model, store: PrefixStore) -> Callable[[Sequence], PrefixState]:
+    """A rollout prefill that keeps autograd and holds each prompt's part in `store` for the first training epoch
+    (the engine gets the detached state). `scorer` is the step's DecomposedScorer: its prefix reads the frozen
+    tower's cached encodings, and it takes the held parts back when training scores the prompts."""
+
+    def prefill(prompts):
+        saved = SavedBytes(model)
+        with torch.enable_grad():  # the parts too: a view made under no_grad would cut them from the graph
+            with saved:
+                state = scorer.prefix(model, prompts)[0]
+            for b, p in enumerate(prompts):
+                part = state if len(prompts) == 1 else prompt_part(state, b, len(p.input_ids))
+                store.put(model, p, part, batched=len(prompts) > 1)
+        tokens = sum(len(p.input_ids) for p in prompts)
+        held, held_tokens = store.graph_bytes.get(id(model), (0, 0))
+        store.graph_bytes[id(model)] = (held + saved.nbytes, held_tokens + tokens)
+        scorer.counts.add(TokenCounts(prefix_tokens=tokens))
+        return state.detach()
+
+    return prefill
+
+
+def hold_prefix(scorer, model, prompt, store: PrefixStore) -> None:
+    """One prompt's no-grad prefix of `model` (the reference), computed ahead of its scoring and held."""
+    with torch.no_grad():
+        state = scorer.prefix(model, [prompt])[0]
+    store.put(model, prompt, state)
+    scorer.counts.add(TokenCounts(prefix_tokens=len(prompt.input_ids)))
+
+
+def rollout_prefill(schedule: Schedule, scorer, actor, store: PrefixStore):
+    """The prefill the schedule gives the engine: fused (autograd kept, held for training) where the actor prefix
+    is placed in the rollout, else the scorer's no-grad prefill (the frozen tower's one encoding serves rollout)."""
+    if schedule.placed(PhaseName.ACTOR_PREFIX, fused_into(PhaseName.ROLLOUT)):
+        return fused_prefill(scorer, actor, store)
+    return scorer.rollout_prefill(actor)
+
+
+class DecodeWindowJobs:
+    """The reference work a schedule places in the rollout's decode window, as hooks for the engine.
+
+    ref_prefix in the window: once decode has begun (its first step: every prompt's prefill is done), one job per
+    prompt holds its reference prefix. ref_suffix in the window: a job per `sample_batch` finished samples of a
+    prompt, and one for its last ones, scores them on the held prefix (each job is an eager forward whose host cost
+    hardly depends on its size, so fewer, larger jobs leave decode more of the host). `scored` maps a sample to its
+    reference log-probs; what the window did not score, the ref stage does.
+    """
+
+    def __init__(self, schedule: Schedule, scorer, reference, prompts: list, group_size: int, sample_batch: int,
+                 store: PrefixStore, window: WindowWorker, timeline: Timeline, temperature: float,
+                 device: torch.device):
+        in_window = lambda name: schedule.has(name) and schedule.phase(name).in_window
+        self.prefix_in_window = in_window(PhaseName.REF_PREFIX) and reference is not None
+        self.suffix_in_window = in_window(PhaseName.REF_SUFFIX) and reference is not None
+        self.scorer, self.reference, self.prompts = scorer, reference, prompts
+        self.group_size, self.sample_batch = group_size, sample_batch
+        self.store, self.window, self.timeline = store, window, timeline
+        self.temperature, self.device = temperature, device
+        self.scored: dict[int, torch.Tensor] = {}
+        self._submitted: set[int] = set()  # prompts whose reference prefix job is queued
+        self._pending: dict[int, list] = {}
+        self._finished = [0] * len(prompts)
+
+    @property
+    def reads_reference(self) -> bool:
+        """The window reads the reference's weights during rollout (FSDP2: gathered from the rollout on)."""
+        return self.prefix_in_window or self.suffix_in_window
+
+    def hooks(self) -> dict:
+        """The engine's hook arguments: only those of work placed in the window (None otherwise)."""
+        return {"on_step": self._on_step if self.prefix_in_window else None,
+                "on_samples_finished": self._on_samples_finished if self.suffix_in_window else None}
+
+    def finish(self) -> None:
+        """After generate: wait for the window (re-raising a job's error), then free the held reference prefixes of
+        prompts whose samples were all scored there."""
+        self.window.finish()
+        for i, prompt in enumerate(self.prompts):
+            if all(i * self.group_size + j in self.scored for j in range(self.group_size)):
+                self.store.discard(self.reference, prompt)
+
+    # ---- hooks, called on the decode thread ----------------------------------------------------------------
+    def _on_step(self, info) -> None:
+        if info.step == 1:  # decode has begun: the prompts' prefills are done
+            for i in range(len(self.prompts)):
+                self._prefix_job(i)
+
+    def _on_samples_finished(self, outputs) -> None:
+        for o in outputs:
+            i = o.prompt_index
+            self._pending.setdefault(i, []).append(o)
+            self._finished[i] += 1
+            if len(self._pending[i]) >= self.sample_batch or self._finished[i] == self.group_size:
+                outs = self._pending.pop(i)
+                self._prefix_job(i)  # queued before its samples' job: the window runs jobs in order
+                self.window.submit(lambda i=i, outs=outs: self._score_samples(i, outs))
+
+    def _prefix_job(self, i: int) -> None:
+        if i not in self._submitted:
+            self._submitted.add(i)
+            self.window.submit(lambda p=self.prompts[i]: self._hold_prefix(p))
+
+    # ---- jobs, run by the window (its thread and side stream) ----------------------------------------------
+    def _hold_prefix(self, prompt) -> None:
+        with self.timeline.span(PhaseName.REF_PREFIX, lane="window"):
+            hold_prefix(self.scorer, self.reference, prompt, self.store)
+
+    def _score_samples(self, i: int, outputs) -> None:
+        """Reference log-probs of samples of prompt i that just finished, on its prefix held in the store (kept
+        there: later samples of the prompt are scored on it too)."""
+        with self.timeline.span(PhaseName.REF_SUFFIX, lane="window"):
+            samples = [i * self.group_size + o.sample_index for o in outputs]
+            request = request_from_outputs(self.prompts, self.group_size, samples, [o.token_ids for o in outputs],
+                                           self.device)
+            prefix = self.store.peek(self.reference, self.prompts[i])
+            if prefix is None:  # its prefix job failed before: finish() reports that
+                return
+            logp = self.scorer.score_on_prefix(self.reference, prefix, request, self.temperature)
+            for row, (s, o) in enumerate(zip(samples, outputs)):
+                self.scored[s] = logp[row, :len(o.token_ids)]
+
