@@ -12,7 +12,7 @@ the first token's logits), the vision tower over every prompt, the reference log
 (PPO forward + backward + AdamW at lr 0, so every round and mode scores the same policy). FLOPs come from
 `torchplex.components.flops` for the tokens each phase processed; the peak is a dense bf16 8192^3 matmul timed in
 the same process. The rollout's sampling log-probs against the trainer's epoch-0 log-probs of the same tokens give
-the log-prob mismatch (mean |diff| and k3 KL). `--profile-dir`: one more round under torch.profiler, with each
+the log-prob mismatch (mean |diff| and k3 KL). `--profile-dir`: one more round of the first mode under torch.profiler, with each
 phase's GPU time split into GEMMs, attention, elementwise/norm, reductions, copies and host gaps.
 """
 
@@ -219,14 +219,21 @@ def profile_phase(work, device) -> dict:
             "top_kernels_s": dict(sorted(top.items(), key=lambda kv: -kv[1])[:12])}
 
 
-def run_mfu(a, args, dtype, device, prompts, build, stops: list[int]) -> dict:
-    """The whole measurement; returns the results object of ../shared/RESULTS.md (topic mfu)."""
+def run_mfu(a, args, dtype, device, prompts, build, stops: list[int], progress=lambda results: None) -> dict:
+    """The whole measurement; returns the results object of ../shared/RESULTS.md (topic mfu), and hands it to
+    `progress` after every timed round."""
     peak = matmul_peak(device)
     print(f"[mfu] dense matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
     actor = build(args, dtype, device, 0)
     reference = build(args, dtype, device, 1).eval().requires_grad_(False)
     if a.freeze_vision:
         actor.visual.requires_grad_(False)
+    from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing, apply_compile
+    if a.activation_checkpointing:
+        apply_activation_checkpointing(actor)
+    if a.compile:
+        apply_compile(actor)
+        apply_compile(reference)
     vision_trains = not a.freeze_vision
     optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=0.0,
                                   foreach=device.type != "cuda", fused=device.type == "cuda")
@@ -239,6 +246,36 @@ def run_mfu(a, args, dtype, device, prompts, build, stops: list[int]) -> dict:
     modes = a.modes
     times = {m: {k: [] for k in PHASES} for m in modes}
     peaks, errors, mismatch, profiles = {m: 0.0 for m in modes}, {}, {}, {}
+    def results() -> dict:
+        """The results object from what has been measured so far (written after every round, so a run stopped
+        at its time limit still leaves its finished rounds)."""
+        rows = []
+        samples = exp.tokens.shape[0]
+        prompt_tokens = sum(len(p.input_ids) for p in prompts)
+        for m in modes:
+            row = {"workload": a.workload, "geometry": a.geometry, "prompts": len(prompts), "group": a.group, "mode": m,
+                   "samples": samples, "tokens": prompt_tokens * (a.group if m == "serial" else 1) + sum(lengths),
+                   "peak_gib": peaks[m], "ok": m not in errors, "error": errors.get(m, "")}
+            if m not in errors and not times[m]["train"]:
+                row.update({"ok": False, "error": "no timed round finished (stopped at the time limit)"})
+            if row["ok"]:
+                med = {k: statistics.median(v) for k, v in times[m].items()}
+                flops = phase_flops(args, exp, m, vision_trains)
+                row.update({"step_s": med["prefill"] + rollout["decode_s"] + med["reference"] + med["train"],
+                            "phases_s": {**med, "decode": rollout["decode_s"]},
+                            "mfu": {k: mfu(flops[k].total, med[k], peak) for k in PHASES},
+                            "pflop": {k: flops[k].total / 1e15 for k in PHASES},
+                            "logprob_mismatch": mismatch.get(m)})
+                if m in profiles:
+                    row["profile"] = profiles[m]
+            else:
+                row.update({"step_s": None, "phases_s": {}})
+            rows.append(row)
+        return {"peak_tflops": peak / 1e12, "rollout": rollout,
+                "response_lengths": {"mean": statistics.mean(lengths), "max": max(lengths), "cap": a.response},
+                "note": "step_s = prefill + decode (one rollout, shared by the modes) + reference + train, each phase "
+                        "timed alone; the vision tower also runs inside prefill, reference and train",
+                "rows": rows}
     for rep in range(a.repeats + 1):
         for m in modes:
             if m in errors:
@@ -264,12 +301,13 @@ def run_mfu(a, args, dtype, device, prompts, build, stops: list[int]) -> dict:
                 if rep:
                     for k, v in zip(PHASES, (pre, vis, ref_s, train_s)):
                         times[m][k].append(v)
+                    progress(results())
             except Exception as err:  # an OOM or any failure is a row with ok: false, not a missing row
-                errors[m] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                errors[m] = f"{type(err).__name__}: {str(err).split('. ')[0] if str(err) else ''}"
                 traceback.print_exc(file=sys.stdout)
                 torch.cuda.empty_cache() if device.type == "cuda" else None
-    if a.profile_dir:
-        for m in [m for m in modes if m not in errors]:
+    if a.profile_dir:  # the first mode only: a profiled round of every mode would double the run
+        for m in [m for m in modes[:1] if m not in errors]:
             profiles[m] = {
                 "prefill": profile_phase(lambda: run_prefill(engine_like, prompts), device),
                 "vision": profile_phase(lambda: run_vision(actor, prompts), device),
@@ -278,28 +316,5 @@ def run_mfu(a, args, dtype, device, prompts, build, stops: list[int]) -> dict:
             profiles[m]["reference+train"] = profile_phase(
                 lambda: holder.setdefault("r", run_scoring(m, actor, reference, optimizer, exp, a.micro_batch,
                                                             device)), device)
-    rows = []
-    samples = exp.tokens.shape[0]
-    prompt_tokens = sum(len(p.input_ids) for p in prompts)
-    for m in modes:
-        row = {"workload": a.workload, "geometry": a.geometry, "prompts": len(prompts), "group": a.group, "mode": m,
-               "samples": samples, "tokens": prompt_tokens * (a.group if m == "serial" else 1) + sum(lengths),
-               "peak_gib": peaks[m], "ok": m not in errors, "error": errors.get(m, "")}
-        if m not in errors:
-            med = {k: statistics.median(v) for k, v in times[m].items()}
-            flops = phase_flops(args, exp, m, vision_trains)
-            row.update({"step_s": med["prefill"] + rollout["decode_s"] + med["reference"] + med["train"],
-                        "phases_s": {**med, "decode": rollout["decode_s"]},
-                        "mfu": {k: mfu(flops[k].total, med[k], peak) for k in PHASES},
-                        "pflop": {k: flops[k].total / 1e15 for k in PHASES},
-                        "logprob_mismatch": mismatch.get(m)})
-            if m in profiles:
-                row["profile"] = profiles[m]
-        else:
-            row.update({"step_s": None, "phases_s": {}})
-        rows.append(row)
-    return {"peak_tflops": peak / 1e12, "rollout": rollout,
-            "response_lengths": {"mean": statistics.mean(lengths), "max": max(lengths), "cap": a.response},
-            "note": "step_s = prefill + decode (one rollout, shared by the modes) + reference + train, each phase "
-                    "timed alone; the vision tower also runs inside prefill, reference and train",
-            "rows": rows}
+    progress(results())
+    return results()

@@ -244,17 +244,21 @@ def write_mfu_results(a, args, dtype, device, prompts) -> None:
     import transformers
     from phase_mfu import run_mfu
 
-    measured = run_mfu(a, args, dtype, device, prompts, build, long_tail_stops(args.text.vocab_size, a.mean_response))
-    result = {"topic": "mfu", "command": "python " + " ".join(sys.argv),
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "gpus": 1, "torch": torch.__version__, "transformers": transformers.__version__,
-              "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), **measured}
+    def results_file(measured: dict) -> dict:
+        result = {"topic": "mfu", "command": "python " + " ".join(sys.argv),
+                  "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                  "gpus": 1, "torch": torch.__version__, "transformers": transformers.__version__,
+                  "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), **measured}
+        if a.out:  # after every timed round: a run stopped at its time limit keeps what it measured
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(result, indent=2))
+        return result
+
+    result = results_file(run_mfu(a, args, dtype, device, prompts, build,
+                                  long_tail_stops(args.text.vocab_size, a.mean_response), progress=results_file))
     for row in result["rows"]:
         print(json.dumps({k: row.get(k) for k in ("mode", "ok", "error", "step_s", "phases_s", "mfu",
                                                   "logprob_mismatch", "peak_gib")}), flush=True)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(result, indent=2))
 
 
 def main():
@@ -289,6 +293,10 @@ def main():
     ap.add_argument("--workload", default="img", help="with --mfu: the workload name in the results rows")
     ap.add_argument("--profile-dir", default="", help="with --mfu: one more round under torch.profiler per mode, "
                     "its kernel categories in the rows")
+    ap.add_argument("--activation-checkpointing", action="store_true", help="with --mfu: the actor's decoder and "
+                    "vision blocks recompute their activations in backward (the trainer's activation_checkpointing)")
+    ap.add_argument("--compile", action="store_true", help="with --mfu: torch.compile each decoder layer of both "
+                    "models (parallelize.apply_compile, the trainer's compile option)")
     ap.add_argument("--out", default="")
     ap.add_argument("--watchdog-s", type=int, default=540, help="dump stacks and exit if still running")
     a = ap.parse_args()
