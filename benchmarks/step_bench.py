@@ -234,6 +234,29 @@ def full_steps(a, args, dtype, device, prompts):
     return result
 
 
+def write_mfu_results(a, args, dtype, device, prompts) -> None:
+    """--mfu: the phase MFU measurement of phase_mfu.py as a results file (../shared/RESULTS.md, topic mfu)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import transformers
+    from phase_mfu import run_mfu
+
+    def results_file(measured: dict) -> dict:
+        result = {"topic": "mfu", "command": "python " + " ".join(sys.argv),
+                  "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                  "gpus": 1, "torch": torch.__version__, "transformers": transformers.__version__,
+                  "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), **measured}
+        if a.out:  # after every timed round: a run stopped at its time limit keeps what it measured
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(result, indent=2))
+        return result
+
+    result = results_file(run_mfu(a, args, dtype, device, prompts, build,
+                                  long_tail_stops(args.text.vocab_size, a.mean_response), progress=results_file))
+    for row in result["rows"]:
+        print(json.dumps({k: row.get(k) for k in ("mode", "ok", "error", "step_s", "phases_s", "mfu",
+                                                  "logprob_mismatch", "peak_gib")}), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--geometry", default="debug")
@@ -260,6 +283,16 @@ def main():
                     "with decode steps on a high-priority CUDA stream")
     ap.add_argument("--ref-prefix-graphs", action="store_true", help="with --full-step: also run decomposed and "
                     "overlapped with the reference prefix as bucketed compiled graphs (CUDA graphs on a GPU)")
+    ap.add_argument("--mfu", action="store_true", help="MFU of each compute phase (prefill, vision, reference, "
+                    "train) on real rollouts, per mode; --out writes a results file of topic mfu (phase_mfu.py)")
+    ap.add_argument("--modes", nargs="+", default=["serial", "decomposed"], help="with --mfu: the modes to run")
+    ap.add_argument("--workload", default="img", help="with --mfu: the workload name in the results rows")
+    ap.add_argument("--profile-dir", default="", help="with --mfu: one more round under torch.profiler per mode, "
+                    "its kernel categories in the rows")
+    ap.add_argument("--activation-checkpointing", action="store_true", help="with --mfu: the actor's decoder and "
+                    "vision blocks recompute their activations in backward (the trainer's activation_checkpointing)")
+    ap.add_argument("--compile", action="store_true", help="with --mfu: torch.compile each decoder layer of both "
+                    "models (parallelize.apply_compile, the trainer's compile option)")
     ap.add_argument("--out", default="")
     ap.add_argument("--watchdog-s", type=int, default=540, help="dump stacks and exit if still running")
     a = ap.parse_args()
@@ -268,6 +301,9 @@ def main():
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
     args = bench_flavor(a.geometry)
     prompts = [make_prompt(args, a.prompt_tokens, seed=i) for i in range(a.prompts)]
+    if a.mfu:
+        write_mfu_results(a, args, dtype, device, prompts)
+        return
     if not a.full_step:
         actor = build(args, dtype, device, 0)
         reference = build(args, dtype, device, 1).eval().requires_grad_(False)

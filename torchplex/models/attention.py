@@ -16,12 +16,38 @@ import torch.nn.functional as F
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
          is_causal: bool = False) -> torch.Tensor:
-    """Scaled dot-product attention with grouped K/V heads (GQA)."""
+    """Scaled dot-product attention with grouped K/V heads (GQA).
+
+    Without a mask the K/V heads go in as they are (enable_gqa): flash kernels read each K/V head for its query
+    heads, where a copy repeated to every query head would cost memory traffic and, saved for backward, memory.
+    The masked kernels take no grouped heads, so a mask still gets the repeated copy."""
     if k.shape[1] != q.shape[1]:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+
+
+def lower_right_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q (B, H, Tq, D) over k/v (B, Hkv, Tk, D), Tk >= Tq, with the diagonal at the bottom
+    right: query i sees keys up to Tk - Tq + i. `mask` (Tq, Tk) is that pattern, for devices without the kernel.
+
+    On CUDA in half precision this is the flash kernel, whose causal flag means exactly this alignment when the
+    lengths differ (the same call torch.nn.attention.bias.causal_lower_right makes; that helper's mask is a tensor
+    subclass, which cannot be created under a dispatch mode such as a memory tracker), with grouped K/V heads
+    read as they are. Elsewhere an explicit boolean mask."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+    return sdpa(q, k, v, mask=mask)
+
+
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether every row's valid tokens come first. Causal attention then needs no mask for them: a valid query
+    only sees earlier positions, all valid, and a pad query (whose output nobody reads) still sees position 0."""
+    valid = attention_mask.bool()
+    return bool((valid[:, 1:] <= valid[:, :-1]).all())
 
 
 def causal_mask(attention_mask: torch.Tensor | None, segment_ids: torch.Tensor | None,
@@ -51,7 +77,9 @@ class CausalAttention:
 
     def mask_for(self, length: int, device: torch.device) -> torch.Tensor | None:
         if not self._built:
-            self._mask = causal_mask(self.attention_mask, self.segment_ids, length, device)
+            # Right padding needs no mask, so the batch runs on the flash (is_causal) kernels, not a masked one.
+            plain = self.segment_ids is None and (self.attention_mask is None or right_padded(self.attention_mask))
+            self._mask = None if plain else causal_mask(self.attention_mask, self.segment_ids, length, device)
             self._built = True
         return self._mask
 
@@ -92,9 +120,9 @@ class PrefixAttention(CausalAttention):
     """Causal attention over right-padded prompts that also records each layer's K/V."""
 
     def __init__(self, lengths: torch.Tensor):
-        length = int(lengths.max())
-        valid = torch.arange(length, device=lengths.device)[None] < lengths[:, None]
-        super().__init__(attention_mask=None if bool(valid.all()) else valid)
+        # Right-padded prompts: plain causal attention is exact for every valid position (see right_padded), and
+        # the K/V recorded at pad positions are never read (suffixes and the KV pool take each prompt's length).
+        super().__init__()
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
 
@@ -108,48 +136,43 @@ class PrefixAttention(CausalAttention):
 class SharedPrefixAttention:
     """Suffix queries that attend to their prompt's prefix K/V plus their own earlier suffix tokens.
 
-    Suffixes of one prompt (a GRPO group) are laid side by side after the prefix in a single attention call,
-    so the prefix K/V enters once per group rather than once per sample; a block mask keeps each suffix from
-    seeing its siblings. suffix tokens: (S, R) right-padded to R with valid lengths `suffix_lens`.
+    suffix tokens: (S, R) right-padded to R with valid lengths `suffix_lens`. Each suffix's keys are its prompt's
+    prefix followed by its own tokens, attended causally with the causal diagonal at the bottom right (query i
+    sees the prefix and its own tokens up to i): one flash-kernel call per distinct prefix length covers every
+    suffix of those prompts, and no query meets its siblings' keys, so nothing is computed to be masked away.
+    A valid query never sees a pad key (pads come after it); pad queries' outputs are not read.
     """
 
     def __init__(self, prefix: PrefixState, prefix_index: torch.Tensor, suffix_lens: torch.Tensor):
         self.prefix = prefix
         self.suffix_lens = suffix_lens
         owners = prefix_index.tolist()
-        self.prefix_lengths = prefix.lengths.tolist()  # host ints: no sync inside the layer loop
-        self.groups: list[tuple[int, torch.Tensor]] = []
-        for b in sorted(set(owners)):
-            members = torch.tensor([s for s, o in enumerate(owners) if o == b], device=prefix_index.device)
-            self.groups.append((b, members))
-        self._masks: dict[int, torch.Tensor] = {}
-
-    def _group_mask(self, b: int, members: torch.Tensor, length: int) -> torch.Tensor:
-        if b not in self._masks:
-            device = self.suffix_lens.device
-            n, plen = members.numel(), self.prefix_lengths[b]
-            rows = n * length
-            owner = torch.arange(rows, device=device) // length
-            step = torch.arange(rows, device=device) % length
-            lens = self.suffix_lens[members][owner]
-            own = (owner[:, None] == owner[None, :]) & (step[None, :] <= step[:, None]) & (step[None, :] < lens[None, :])
-            own = own | torch.eye(rows, dtype=torch.bool, device=device)
-            prefix = torch.ones(rows, plen, dtype=torch.bool, device=device)
-            self._masks[b] = torch.cat([prefix, own], dim=1)
-        return self._masks[b]
+        prefix_lengths = prefix.lengths.tolist()  # host ints: no sync inside the layer loop
+        by_length: dict[int, list[int]] = {}
+        for s, o in enumerate(owners):
+            by_length.setdefault(prefix_lengths[o], []).append(s)
+        device = prefix_index.device
+        # (prefix length, the suffixes (None: all of them, in order), their owners' rows of the prefix state)
+        self.parts: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
+        for plen, samples in by_length.items():
+            index = None if samples == list(range(len(owners))) else torch.tensor(samples, device=device)
+            self.parts.append((plen, index, prefix_index if index is None else prefix_index[index]))
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}  # (prefix, suffix length) -> mask, off the flash path
 
     def __call__(self, layer: int, q, k, v):
-        out = torch.empty_like(q)
-        length = q.shape[2]
         pk, pv = self.prefix.k[layer], self.prefix.v[layer]
-        for b, members in self.groups:
-            n, plen = members.numel(), self.prefix_lengths[b]
-            gq = q[members].transpose(0, 1).reshape(1, q.shape[1], n * length, q.shape[3])
-            gk = k[members].transpose(0, 1).reshape(1, k.shape[1], n * length, k.shape[3])
-            gv = v[members].transpose(0, 1).reshape(1, v.shape[1], n * length, v.shape[3])
-            keys = torch.cat([pk[b:b + 1, :, :plen], gk], dim=2)
-            values = torch.cat([pv[b:b + 1, :, :plen], gv], dim=2)
-            mask = self._group_mask(b, members, length)
-            o = sdpa(gq, keys, values, mask=mask[None, None])
-            out[members] = o.reshape(q.shape[1], n, length, q.shape[3]).transpose(0, 1)
+        length = q.shape[2]
+        out = None if len(self.parts) == 1 and self.parts[0][1] is None else torch.empty_like(q)
+        for plen, index, owner in self.parts:
+            pick = (lambda t: t) if index is None else (lambda t: t[index])
+            keys = torch.cat([pk[owner, :, :plen], pick(k)], dim=2)
+            values = torch.cat([pv[owner, :, :plen], pick(v)], dim=2)
+            mask = self._masks.get((plen, length))
+            if mask is None:
+                mask = torch.ones(length, plen + length, dtype=torch.bool, device=q.device).tril(diagonal=plen)
+                self._masks[(plen, length)] = mask
+            o = lower_right_causal(pick(q), keys, values, mask)
+            if out is None:
+                return o
+            out[index] = o
         return out

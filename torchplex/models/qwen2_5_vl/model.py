@@ -57,23 +57,49 @@ class GatedMLP(nn.Module):
 # Vision tower
 # ---------------------------------------------------------------------------------------------------
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-    """Bidirectional attention within each segment of a packed sequence. q/k/v: (S, H, D).
+class VarlenLayout:
+    """Segments of a packed sequence for bidirectional attention within each, grouped by length: each group is one
+    batched SDPA call (flash kernels, no mask), so a tower with hundreds of windows costs a few launches per layer.
 
-    Segments of equal length are batched into one SDPA call, so a tower with hundreds of windows costs a few
-    kernel launches per layer rather than one per window.
+    Built once per tower forward (the index tensors go to the device once, not once per layer). A group whose
+    segments tile the whole sequence in order (equal windows of equal images, or whole frames) is a view of the
+    sequence: no gather in, no scatter out.
     """
-    lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
-    out = torch.empty_like(q)
-    by_length: dict[int, list[int]] = {}
-    for start, n in zip(cu_seqlens[:-1], lengths):
-        by_length.setdefault(n, []).append(start)
-    for n, starts in by_length.items():
-        index = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(n, device=q.device)).reshape(-1)
-        gather = lambda t: t[index].view(len(starts), n, t.shape[1], t.shape[2]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(gather(q), gather(k), gather(v))
-        out[index] = o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
-    return out
+
+    def __init__(self, cu_seqlens: list[int], device):
+        by_length: dict[int, list[int]] = {}
+        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            by_length.setdefault(end - start, []).append(start)
+        self.total = cu_seqlens[-1]
+        self.groups: list[tuple[int, int, torch.Tensor | None]] = []  # (length, count, patch index or None)
+        for n, starts in by_length.items():
+            if starts == list(range(0, self.total, n)):
+                self.groups.append((n, len(starts), None))
+            else:
+                index = (torch.tensor(starts)[:, None] + torch.arange(n)).reshape(-1).to(device)
+                self.groups.append((n, len(starts), index))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q/k/v (S, H, D) -> (S, H, D), each token attending to its own segment."""
+        if len(self.groups) == 1 and self.groups[0][2] is None:
+            n, count, _ = self.groups[0]
+            split = lambda t: t.view(count, n, t.shape[1], t.shape[2]).transpose(1, 2)
+            return F.scaled_dot_product_attention(split(q), split(k), split(v)).transpose(1, 2).reshape(q.shape)
+        out = torch.empty_like(q)
+        for n, count, index in self.groups:
+            if index is None:
+                index = torch.arange(self.total, device=q.device)
+            gather = lambda t: t[index].view(count, n, t.shape[1], t.shape[2]).transpose(1, 2)
+            o = F.scaled_dot_product_attention(gather(q), gather(k), gather(v))
+            out[index] = o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
+        return out
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    """Bidirectional attention within each segment of a packed sequence. q/k/v: (S, H, D); cu_seqlens: the
+    segment boundaries, or their VarlenLayout."""
+    layout = cu_seqlens if isinstance(cu_seqlens, VarlenLayout) else VarlenLayout(cu_seqlens, q.device)
+    return layout.attention(q, k, v)
 
 
 class VisionAttention(nn.Module):
@@ -83,7 +109,7 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=True)
         self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens) -> torch.Tensor:
         seq = x.shape[0]
         q, k, v = self.qkv(x).view(seq, 3, self.num_heads, -1).unbind(1)
         # Rotate in fp32, as the reference does, then return to the activation dtype.
@@ -195,9 +221,9 @@ class VisionTransformer(nn.Module):
         permute = lambda y: y.view(-1, m2, y.shape[-1])[window_order].reshape(-1, y.shape[-1])
         x, cos, sin = permute(x), permute(cos), permute(sin)
         # Full-attention blocks attend within each frame; the order inside a frame does not change it.
+        full, windowed = VarlenLayout(full_bounds, x.device), VarlenLayout(window_bounds, x.device)
         for i, block in enumerate(self.blocks):
-            bounds = full_bounds if i in a.fullatt_block_indexes else window_bounds
-            x = block(x, cos, sin, bounds)
+            x = block(x, cos, sin, full if i in a.fullatt_block_indexes else windowed)
         merged = self.merger(x)
         return merged[torch.argsort(window_order)]
 
