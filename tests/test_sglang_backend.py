@@ -227,3 +227,44 @@ def test_logprob_mismatch_is_the_mean_abs_difference_and_k3():
     got = logprob_mismatch(rollout, trainer, mask)
     assert got["mean_abs"] == pytest.approx(0.8 / 5)
     assert got["k3"] == pytest.approx(float((d.exp() - 1 - d).mean()))  # Schulman's k3 of KL(rollout || trainer)
+
+
+def test_grpo_steps_with_backend_sglang_push_the_trained_weights_each_step(tiny_ckpt, tmp_path, monkeypatch):
+    """Two trainer steps with rollout.backend = "sglang" (the fake engine in SGLang's place): rewards and losses
+    finite, every rollout preceded by a push of the actor's current weights (changed by the step before), and the
+    engine's log-probs tracking the trainer's recomputation (the fake samples in float32 with the native math)."""
+    import math
+
+    from torchplex.config import load_config
+    from torchplex import train
+    from torchplex.rl import rewards
+
+    monkeypatch.setattr(train, "check_sglang_available", lambda device: None)
+    monkeypatch.setattr(sgl_engine, "default_engine_factory", FakeSGLangEngine)
+    # a reward that differs within a group, so a random model's step has a gradient
+    monkeypatch.setitem(rewards.REWARD_FUNCTIONS, "accuracy", lambda response, answer: float(len(response)))
+    args = {"job.config_file": "train_configs/debug.toml", "job.output_dir": tmp_path, "rollout.backend": "sglang",
+            "model.hf_checkpoint": tiny_ckpt, "model.make_tiny_if_missing": "false",
+            "data.synthetic_dir": tmp_path / "synthetic", "data.synthetic_train": 8, "data.synthetic_eval": 2,
+            "data.prompts_per_step": 2, "rollout.n_samples": 2, "rollout.max_new_tokens": 4,
+            "training.steps": 2, "training.sft_warmup_steps": 0, "metrics.progress_bar": "false",
+            "metrics.tensorboard": "false", "metrics.eval_interval": 0, "checkpoint.enable": "false"}
+    trainer = train.Trainer(load_config([f"--{k}={v}" for k, v in args.items()]))
+    fake = trainer.engine.engine
+    assert isinstance(trainer.engine, SGLangRolloutEngine) and isinstance(fake, FakeSGLangEngine)
+    pushed = []
+    push = fake.update_weights_from_tensor
+    fake.update_weights_from_tensor = lambda named_tensors, **kw: (
+        pushed.append({k: t.clone() for k, t in named_tensors}) or push(named_tensors, **kw))
+    steps = []
+    for _ in range(2):
+        before = {k: p.detach().clone() for k, p in hf_parameters(trainer.actor)}
+        n = len(pushed)
+        metrics, ok = trainer.train_step()
+        assert ok and math.isfinite(metrics["loss"]) and math.isfinite(metrics["reward/mean"])
+        sent = {k: t for bucket in pushed[n:] for k, t in bucket.items()}
+        assert sent.keys() == before.keys()  # the whole actor, as it was at this rollout
+        assert all(torch.equal(sent[k], before[k]) for k in before)
+        assert metrics["rollout/logprob_mismatch"] < 1e-4 and 0 <= metrics["rollout/mismatch_k3"] < 1e-6
+        steps.append(sent)
+    assert any(not torch.equal(steps[0][k], steps[1][k]) for k in steps[0])  # the step changed what SGLang saw
