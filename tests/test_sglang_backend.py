@@ -187,6 +187,25 @@ def test_engine_pushes_weights_samples_and_releases_like_the_native_engine(tiny_
     assert engine.stats.weight_push_s and engine.stats.generate_s and engine.stats.release_s
 
 
+def test_a_tp_group_samples_on_its_first_rank_and_broadcasts(tiny_ckpt, prompts):
+    """rollout_tp > 1: the engine lives on the group's first rank and the outputs reach every rank (a one-rank
+    gloo group here: the broadcast path, without spawning ranks)."""
+    import torch.distributed as dist
+
+    from distributed_helpers import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        actor = build_model(hf_dir=tiny_ckpt)
+        engine = SGLangRolloutEngine(actor, str(tiny_ckpt), tp_size=2, group=dist.group.WORLD, dtype="float32",
+                                     engine_factory=FakeSGLangEngine)
+        assert engine.leader and engine.engine.settings["tp_size"] == 2
+        out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=3))
+    finally:
+        dist.destroy_process_group()
+    assert [[(s.prompt_index, s.sample_index) for s in row] for row in out] == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+
+
 def test_a_scheduler_that_never_answers_fails_the_rollout_after_the_timeout(tiny_ckpt, prompts):
     engine = SGLangRolloutEngine(build_model(hf_dir=tiny_ckpt), str(tiny_ckpt), dtype="float32", timeout_s=0.3,
                                  engine_factory=SilentSGLangEngine)
@@ -201,6 +220,10 @@ def test_startup_fails_on_cpu_and_without_sglang_saying_what_to_install():
     with pytest.raises(SGLangUnavailableError, match="needs a CUDA device"):
         check_sglang_available(torch.device("cpu"))
     assert importlib.util.find_spec("sglang") is None  # CI has no SGLang: the second message is the one users see
+    import sys
+
+    import torchplex.train  # noqa: F401 - the trainer imports the backend's module, never SGLang itself
+    assert "sglang" not in sys.modules
     with pytest.raises(SGLangUnavailableError, match=r"pip install 'torchplex\[sglang\]'.*sglang_gpu.sh"):
         check_sglang_available(torch.device("cuda", 0))
     with pytest.raises(ValueError, match="rollout_tp = 1 or = tp"):
