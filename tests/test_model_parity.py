@@ -111,7 +111,8 @@ def test_video():
     hf, native = build_pair(args)
     torch.manual_seed(3)
     pix, grid = pixels([[3, 8, 8]])
-    # Integral seconds: transformers 5.17 truncates second_per_grid_ts to an int, 5.24 does not (hf_reference.py).
+    # Integral seconds: transformers 5.12 and 5.17 truncate second_per_grid_ts to an int, 5.24 does not
+    # (hf_reference.py).
     video = (pix, grid, torch.tensor([2.0]))
     ids = torch.tensor([[5, 6] + video_run((3, 8, 8)) + [7, 8, 9, 10]])
     with torch.no_grad():

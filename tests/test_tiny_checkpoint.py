@@ -8,13 +8,14 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import (AutoImageProcessor, AutoProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration,
+from transformers import (AutoProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration,
                           Qwen2_5_VLProcessor)
 from transformers.utils import is_torchvision_available
 
 from tools.make_tiny_checkpoint import (DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, DEFAULT_VIDEO_MAX_PIXELS,
                                         DEFAULT_VIDEO_MIN_PIXELS, INIT_STD, NON_SPECIAL_ADDED_TOKENS,
                                         SPECIAL_TOKENS, main, make_tiny_checkpoint)
+from torchplex.data.processing import load_processor
 from torchplex.models.qwen2_5_vl.args import ModelArgs, get_flavor
 
 
@@ -135,7 +136,7 @@ def test_seed_changes_weights_but_not_tokenizer(tiny_ckpt, tmp_path):
 
 
 def test_image_and_video_processor_configs_carry_pixel_budgets(tiny_ckpt):
-    image_processor = AutoImageProcessor.from_pretrained(tiny_ckpt)
+    image_processor = load_processor(tiny_ckpt).image_processor  # what the trainer loads, with or without torchvision
     assert (image_processor.size.shortest_edge, image_processor.size.longest_edge) == (DEFAULT_MIN_PIXELS,
                                                                                        DEFAULT_MAX_PIXELS)
     assert (image_processor.patch_size, image_processor.merge_size, image_processor.temporal_patch_size) == (14, 2, 2)

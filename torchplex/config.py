@@ -105,6 +105,10 @@ class RolloutConfig:
     max_new_tokens: int = 32
     kv_pool_gib: float = 1.0
     max_batch: int = 256  # sequences decoded concurrently
+    # backend "sglang" (rollout/sglang_backend/): a rollout SGLang does not answer within this fails the step
+    sglang_timeout_s: float = 600.0
+    sglang_mem_fraction: float = 0.2  # SGLang's mem_fraction_static: its weights + KV cache, of the GPU's memory
+    sglang_bucket_mib: int = 512  # weights pushed to SGLang per update_weights_from_tensor call
 
 
 @dataclass
@@ -397,6 +401,9 @@ _CHECKS = [
     ("rollout.temperature", lambda c: c.rollout.temperature >= 0, "must be >= 0"),
     ("rollout.top_p", lambda c: 0 < c.rollout.top_p <= 1, "must be in (0, 1]"),
     ("rollout.top_k", lambda c: c.rollout.top_k >= 0, "must be >= 0 (0 = off)"),
+    ("rollout.sglang_timeout_s", lambda c: c.rollout.sglang_timeout_s > 0, "must be > 0"),
+    ("rollout.sglang_mem_fraction", lambda c: 0 < c.rollout.sglang_mem_fraction < 1, "must be in (0, 1)"),
+    ("rollout.sglang_bucket_mib", lambda c: c.rollout.sglang_bucket_mib >= 1, "must be >= 1"),
     ("algorithm.clip_low", lambda c: 0 <= c.algorithm.clip_low < 1, "must be in [0, 1)"),
     ("algorithm.clip_high", lambda c: c.algorithm.clip_high >= 0, "must be >= 0"),
     ("algorithm.micro_batch_size", lambda c: c.algorithm.micro_batch_size >= 1, "must be >= 1"),

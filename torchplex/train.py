@@ -47,7 +47,9 @@ from .models.qwen2_5_vl.tiny_checkpoint import make_tiny_checkpoint
 from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
 from .evaluation import EvalSet, Evaluator
 from .rl.reward_functions import RewardLedger, get_reward, reward_answers
+from .rollout.logprob_mismatch import mismatch_sums
 from .rollout.sampling import SamplingParams, sample_seeds
+from .rollout.sglang_backend.engine import build_sglang_engine, check_sglang_available
 from .runtime.build import build_step_runtime
 from .runtime.grpo_step import all_reduce_sums, kl_to_reference
 from .runtime.rollout_weights import build_rollout_engine
@@ -71,9 +73,9 @@ def ensure_tiny_checkpoint(path: Path, flavor: str, seed: int) -> None:
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        if cfg.rollout.backend != "native":
-            raise ValueError(f"rollout.backend = {cfg.rollout.backend!r} is not available yet; use \"native\"")
         self.rank, self.world, self.device = init_distributed()
+        if cfg.rollout.backend == "sglang":  # before any model is loaded: say what to install
+            check_sglang_available(self.device)
         p = cfg.parallelism
         self.dims = build_parallel_dims(p.dp_shard, p.tp, self.world) if self.world > 1 else None
         # Every rank draws the same global batch; each data-parallel rank takes its share (TP peers share one).
@@ -138,10 +140,17 @@ class Trainer:
         if cfg.algorithm.kl_coef > 0:  # coefficient 0: the reference is never loaded
             self.reference = build_model(hf_dir=ckpt, device=self.device, dtype=dtype,
                                          parallelize=self._parallelize).eval().requires_grad_(False)
-        # rollout_tp != tp: rollout runs on a model sharing the actor's storage (runtime/rollout_weights.py)
-        self.engine = build_rollout_engine(self.actor, self.dims, cfg.parallelism.rollout_tp,
-                                           kv_pool_bytes=int(cfg.rollout.kv_pool_gib * 2**30),
-                                           max_batch=cfg.rollout.max_batch, pad_id=self.pad_id, device=self.device)
+        if cfg.rollout.backend == "sglang":  # a colocated sglang.Engine, weights pushed before each rollout
+            r = cfg.rollout
+            self.engine = build_sglang_engine(self.actor, str(ckpt), self.dims, cfg.parallelism.rollout_tp,
+                                              self.device, dtype=cfg.model.dtype, mem_fraction=r.sglang_mem_fraction,
+                                              timeout_s=r.sglang_timeout_s, bucket_mib=r.sglang_bucket_mib,
+                                              seed=cfg.job.seed)
+        else:  # rollout_tp != tp: rollout runs on a model sharing the actor's storage (runtime/rollout_weights.py)
+            self.engine = build_rollout_engine(self.actor, self.dims, cfg.parallelism.rollout_tp,
+                                               kv_pool_bytes=int(cfg.rollout.kv_pool_gib * 2**30),
+                                               max_batch=cfg.rollout.max_batch, pad_id=self.pad_id,
+                                               device=self.device)
         if self.reference is not None and cfg.model.freeze_vision:
             self.reference.visual = self.actor.visual  # the same frozen weights: keep one copy, encode once
         o = cfg.optimizer
@@ -408,6 +417,7 @@ class Trainer:
         kl = kl_to_reference(exp, cfg.algorithm.kl_estimator, self.dp_group)
         if kl is not None:
             metrics["kl"] = kl
+        metrics.update(self._logprob_mismatch(exp))
         metrics.update(timer.metrics())
         if self.memory is not None:  # plan next to what the manager held (and measured, on CUDA)
             for record in self.memory.records[-len(self.memory.plan.phases):]:
@@ -415,6 +425,15 @@ class Trainer:
                 metrics[f"memory/{record.phase}_tracked_gib"] = record.tracked_bytes / 2**30
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics, result.skipped_nonfinite == 0
+
+    def _logprob_mismatch(self, exp) -> dict[str, float]:
+        """Rollout vs trainer log-probs over the trained samples (rollout/logprob_mismatch.py), every rank's."""
+        if exp.old_logprobs is None:
+            return {}
+        idx = torch.tensor(exp.kept_samples(), dtype=torch.long, device=exp.tokens.device)
+        sums = mismatch_sums(exp.sampling_logprobs[idx], exp.old_logprobs[idx], exp.mask[idx])
+        abs_sum, k3_sum, count = all_reduce_sums(list(sums), self.device, self.dp_group)
+        return {"rollout/logprob_mismatch": abs_sum / max(count, 1.0), "rollout/mismatch_k3": k3_sum / max(count, 1.0)}
 
     def _token_metrics(self) -> dict[str, float]:
         """Decoder token-forwards of this step's scoring (reference + actor), and what serial would have run."""

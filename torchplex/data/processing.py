@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, BatchFeature
+from transformers import AutoProcessor, AutoTokenizer, BatchFeature
 from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.utils import is_torchvision_available
 from transformers.video_utils import VideoMetadata
 
@@ -143,7 +144,7 @@ def _chat_template(ckpt_dir: Path, tokenizer) -> str | None:
 
 def load_processor(ckpt_dir: str | Path) -> Qwen2_5_VLProcessor:
     """The checkpoint's Qwen2.5-VL processor: `AutoProcessor` when torchvision is installed, otherwise
-    the same processor class assembled from AutoTokenizer, AutoImageProcessor (PIL backend) and
+    the same processor class assembled from AutoTokenizer, the PIL image processor and
     `FramesVideoProcessor`."""
     path = Path(ckpt_dir)
     if not path.is_dir():
@@ -156,7 +157,9 @@ def load_processor(ckpt_dir: str | Path) -> Qwen2_5_VLProcessor:
     if is_torchvision_available():
         return AutoProcessor.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    image_processor = AutoImageProcessor.from_pretrained(path)
+    # the PIL class by name: transformers 5.12 (what SGLang 0.5.17 needs) makes AutoImageProcessor itself
+    # require torchvision, later releases fall back to this class
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
     video_processor = FramesVideoProcessor.from_pretrained(path, image_processor)
     return FramesQwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                      video_processor=video_processor,

@@ -274,6 +274,12 @@ def make_tiny_checkpoint(
         eos_token_id=[args.eos_token_id, args.bos_token_id])  # Qwen stops on <|im_end|> or <|endoftext|>
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     model.save_pretrained(output, safe_serialization=True, **save_kwargs)
+    # transformers 5.12 (what SGLang 0.5.17 needs) saves the token ids only in text_config; Hub Qwen2.5-VL configs,
+    # and later transformers releases, carry them at the top level too
+    saved = json.loads((output / "config.json").read_text())
+    missing = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k not in saved}
+    if missing:
+        _write_json(output / "config.json", {**saved, **missing})
 
     # Written piecewise, as a hub checkpoint ships them: transformers 5 cannot even construct a
     # Qwen2_5_VLProcessor without torchvision (it type-checks the video slot), so there is no

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The SGLang backend on the H200 machine (issue 20), one device call per step below, in this order.
+#
+# On the dev machine first (once): fetch the wheels into the repo root and keep them out of git:
+#   ../shared/gpu/sglang-wheels.sh .            # writes .sgl1 .sgl2 .sgl3 (< 60 MiB each)
+#   printf '/.sgl1/\n/.sgl2/\n/.sgl3/\n' >> "$(git rev-parse --git-common-dir)/info/exclude"
+# A device call carries at most 64 MiB, so each folder travels in its own call, installed into /tmp/site
+# (kept while the machine stays warm; a fresh machine needs the three installs again):
+#   run(carry=[".sgl1"], command="bash benchmarks/sglang_gpu.sh install 1")
+#   run(carry=[".sgl2"], command="bash benchmarks/sglang_gpu.sh install 2")
+#   run(carry=[".sgl3"], command="bash benchmarks/sglang_gpu.sh install 3")
+# Then (each well under the 10-minute limit of a call):
+#   run(command="bash benchmarks/sglang_gpu.sh check")   # SGLang and the transformers it needs import
+#   run(command="bash benchmarks/sglang_gpu.sh train")   # GRPO steps, both backends -> $OUT/sglang-*-train.json
+#   run(command="bash benchmarks/sglang_gpu.sh step")    # img-small + img P=8, both backends -> $OUT/sglang-*-step.json
+# and commit the JSON files that come back under benchmarks/results/.
+# SGLang 0.5.17 imports only with transformers 5.12.1 / tokenizers 0.22.2 (in .sgl2): /tmp/site goes first on
+# PYTHONPATH, ahead of the image's 5.17.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SITE=/tmp/site
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+stamp=$(date -u +%Y%m%d)
+tiny() {  # the trainer's tiny checkpoint (few MB), written once per machine
+  [ -f /tmp/tiny/config.json ] || python tools/make_tiny_checkpoint.py --output /tmp/tiny >/dev/null
+}
+case "${1:-}" in
+  install)
+    n=${2:?which folder: 1, 2 or 3}
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      ".sgl$n"/*.whl
+    du -sh "$SITE" ;;
+  check)
+    timeout 300 python -c "import sglang, transformers, tokenizers, torch
+from sglang.srt.entrypoints.engine import Engine
+print('sglang', sglang.__version__, 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__,
+      'torch', torch.__version__)" ;;
+  train)
+    tiny
+    timeout 560 python benchmarks/sglang_bench.py --suite train --ckpt /tmp/tiny --steps 4 \
+      --out "$OUT/sglang-$stamp-train.json" ;;
+  step)
+    # The tiny checkpoint's geometry (a 7B random checkpoint would need ~30 GB written from CPU first:
+    #   python tools/make_tiny_checkpoint.py --size 7B --output /tmp/ckpt7b   then --ckpt /tmp/ckpt7b)
+    tiny
+    timeout 560 python benchmarks/sglang_bench.py --suite step --ckpt "${CKPT:-/tmp/tiny}" \
+      --workloads img-small,img --out "$OUT/sglang-$stamp-step.json" ;;
+  *)
+    echo "usage: $0 install N | check | train | step" >&2; exit 2 ;;
+esac

@@ -1,0 +1,86 @@
+"""What an SGLang request is made of, and what its answer becomes: both pure, so CI tests them without SGLang.
+
+One request per sample, each with its own `sampling_seed`: SGLang's `n=G` copies the parent's seed into every
+child (../shared/gpu/SGLANG.md), so G requests with G seeds are what gives G distinct, reproducible samples. The
+G requests of a prompt share its prompt tokens, which SGLang's radix cache prefills once when they arrive in
+the same batch after the first (it does not dedupe within the very first batch, per the smoke run).
+
+Images go as the processor's output (`format: "processor_output"` with `pixel_values` and `image_grid_thw`), so
+SGLang runs no second image preprocessing and the `<|image_pad|>` run already expanded in `input_ids` matches the
+grid. Videos are not passed yet (raises): SGLang's video path for processor output was not run on the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..engine import SampleOutput
+from ..sampling import SamplingParams
+
+
+def sampling_params_for(params: SamplingParams, seed: int) -> dict:
+    """SGLang's sampling-params dict for one sample. SGLang's log-prob is log_softmax(logits / T) taken before
+    top-k/top-p, the native engine's after them: the two agree only with top_k = 0 and top_p = 1."""
+    sp = {"max_new_tokens": params.max_new_tokens, "sampling_seed": int(seed),
+          "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False}
+    if params.greedy:
+        sp["temperature"] = 0.0
+    else:
+        sp.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k else -1)
+    return sp
+
+
+def image_item(prompt) -> dict | None:
+    """The prompt's images as one processor-output item (None for a text prompt)."""
+    if getattr(prompt, "pixel_values_videos", None) is not None:
+        raise NotImplementedError("rollout.backend = 'sglang' does not pass video prompts yet (use 'native')")
+    if getattr(prompt, "pixel_values", None) is None:
+        return None
+    return {"format": "processor_output", "pixel_values": prompt.pixel_values,
+            "image_grid_thw": prompt.image_grid_thw}
+
+
+def build_requests(prompts: Sequence, params: SamplingParams, seeds: Sequence[Sequence[int]]) -> dict:
+    """Keyword arguments of one `Engine.(async_)generate` call: prompt-major, sample-minor (row g * n + j)."""
+    if len(seeds) != len(prompts) or any(len(s) != params.n for s in seeds):
+        raise ValueError(f"sample_seeds must hold {params.n} seeds for each of the {len(prompts)} prompts")
+    input_ids, images, sampling = [], [], []
+    for prompt, prompt_seeds in zip(prompts, seeds):
+        ids = prompt.input_ids.tolist() if hasattr(prompt.input_ids, "tolist") else list(prompt.input_ids)
+        item = image_item(prompt)
+        for seed in prompt_seeds:
+            input_ids.append(ids)
+            images.append(item)
+            sampling.append(sampling_params_for(params, seed))
+    kwargs = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
+    if any(item is not None for item in images):
+        kwargs["image_data"] = images
+    return kwargs
+
+
+def finish_reason(meta: dict) -> str:
+    """SGLang's finish_reason ({"type": "stop" | "length" | "abort", ...}) as the native engine's word."""
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind in ("stop", "length"):
+        return kind
+    raise RuntimeError(f"SGLang aborted a rollout request: {reason!r}")
+
+
+def map_outputs(outputs: Sequence[dict], num_prompts: int, n: int) -> list[list[SampleOutput]]:
+    """outputs[prompt][sample] from the flat answer list of `build_requests`' order."""
+    if len(outputs) != num_prompts * n:
+        raise RuntimeError(f"SGLang answered {len(outputs)} requests, {num_prompts * n} were sent")
+    result: list[list[SampleOutput]] = []
+    for g in range(num_prompts):
+        row = []
+        for j in range(n):
+            out = outputs[g * n + j]
+            meta = out["meta_info"]
+            tokens = [int(t) for t in out["output_ids"]]
+            logprobs = [float(x[0]) for x in meta["output_token_logprobs"]]
+            if len(logprobs) != len(tokens):
+                raise RuntimeError(f"SGLang returned {len(logprobs)} log-probs for {len(tokens)} tokens")
+            row.append(SampleOutput(g, j, tokens, logprobs, finish_reason(meta)))
+        result.append(row)
+    return result
