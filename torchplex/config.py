@@ -77,7 +77,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 32
-    kv_pool_gib: float = 1.0
+    kv_pool_gib: float = 1.0  # 0 = sized each step from the memory budget (memory.budget_gib): all groups if they fit
     max_batch: int = 256  # sequences decoded concurrently
 
 
@@ -169,6 +169,9 @@ class ParallelismConfig:
 @dataclass
 class MemoryConfig:
     managed: bool = False
+    # what the step may use on its device; 0 = the device's (CUDA: free + this process's cached blocks; CPU: the
+    # host's memory). Held prefixes and a budget-sized KV pool get what every resident group leaves (docs/memory.md)
+    budget_gib: float = 0.0
 
 
 @dataclass

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..data.batching import collate
 from ..models.attention import PrefixState
-from .overlap import PrefixStore
+from .overlap import PrefixStore, merge_prefix_states, prompt_part
 from .prefix_graphs import PrefixGraphs
 from .scoring import ScoreRequest, TokenCounts, _patches, response_scores
 
@@ -69,19 +69,6 @@ class VisionCache:
                 self._store[key] = model.encode_vision(pixels.to(device), grid.to(device))
             self.encodes += 1
         return self._store[key]
-
-
-def merge_prefix_states(states: list[PrefixState]) -> PrefixState:
-    """Stack single-prompt prefix states into one right-padded batch (differentiable)."""
-    if len(states) == 1:
-        return states[0]
-    width = max(int(s.lengths.max()) for s in states)
-    pad = lambda t: F.pad(t, (0, 0, 0, width - t.shape[2]))
-    layers = range(len(states[0].k))
-    return PrefixState([torch.cat([pad(s.k[i]) for s in states]) for i in layers],
-                       [torch.cat([pad(s.v[i]) for s in states]) for i in layers],
-                       torch.cat([s.lengths for s in states]), torch.cat([s.next_position for s in states]),
-                       torch.cat([s.last_hidden for s in states]))
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -199,6 +186,13 @@ class DecomposedScorer:
         held = self.store.take(model, prompts)
         if held is not None:
             return merge_prefix_states(held[0]), batch, held[1]
+        some = self.store.take_some(model, prompts)
+        if some is not None:  # a micro-batch of fused and unfused prompts (the budget fused only some): compute the rest
+            states, batched = some
+            rest = [p for p, st in zip(prompts, states) if st is None]
+            computed = self._prefix(model, rest)[0]
+            parts = iter([prompt_part(computed, b, len(p.input_ids)) for b, p in enumerate(rest)])
+            return merge_prefix_states([st if st is not None else next(parts) for st in states]), batch, batched
         graphs = self.prefix_graphs.get(id(model))
         if graphs is not None and not torch.is_grad_enabled():
             states = []

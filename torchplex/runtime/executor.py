@@ -16,7 +16,8 @@ The numbers do not depend on where a phase ran: tests/test_overlap.py holds over
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,6 +26,7 @@ from ..distributed.fsdp import gathered, reshard
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
+from .memory_budget import MemoryBudget, device_capacity, kv_pool_bytes, step_residents
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
 from .overlap import DecodeWindowJobs, PrefixStore, rollout_prefill
 from .phases import Stage
@@ -48,6 +50,7 @@ class StepSettings:
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     plan: PlanOptions = field(default_factory=PlanOptions)
     checkpoint_prefix: bool = False  # activation checkpointing of the prompt prefix forward
+    kv_pool_from_budget: bool = False  # size the engine's KV pool each step from the memory budget (kv_pool_gib 0)
 
 
 @dataclass
@@ -158,8 +161,53 @@ class StepRunner:
         return StepOutput(step.experience, step.result, schedule, step.timeline, step.prefixes)
 
     def plan(self, prompts: list, params: SamplingParams) -> Schedule:
-        """This step's schedule, for what the engine declares it supports."""
-        return plan_step(self.shape(prompts, params), self.settings.plan, self.engine.capabilities)
+        """This step's schedule, for what the engine declares it supports and what its memory budget leaves for
+        held prefixes (raises memory_budget.BatchTooLargeError, before anything runs, when even the smallest
+        forms do not fit)."""
+        shape = self.shape(prompts, params)
+        budget = self.memory_budget(shape, params)
+        budget.check(f"a step of {len(prompts)} prompts x {params.n} samples of up to {params.max_new_tokens} tokens")
+        schedule = plan_step(replace(shape, prefix_room_bytes=budget.room_bytes), self.settings.plan,
+                             self.engine.capabilities)
+        schedule.memory = budget.to_dict()
+        return schedule
+
+    def memory_budget(self, shape: StepShape, params: SamplingParams) -> MemoryBudget:
+        """The budget (PlanOptions.memory_budget_bytes, else the device's) and every group resident per stage. With
+        kv_pool_from_budget, the engine's KV pool is sized here: what all groups need, as far as the room allows."""
+        nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)
+        actor = list(self.actor.parameters())
+        trainable = [p for p in actor if p.requires_grad]
+        ref_bytes = 0
+        if self.reference is not None:  # a frozen tower shared with the actor is the actor's
+            mine = {p.untyped_storage().data_ptr() for p in actor}
+            ref_bytes = nbytes(p for p in self.reference.parameters() if p.untyped_storage().data_ptr() not in mine)
+        t = self.actor.args.text
+        mbs, n = self.settings.micro_batch_size, shape.group_size
+        # the training micro-batch: its suffix graphs, the prefix graphs of its (unfused) prompts, fp32 logits
+        rate = shape.activation_bytes_per_token
+        train_act = math.ceil(rate * (mbs * shape.max_new_tokens + math.ceil(mbs / n) * max(shape.prompt_lengths))
+                              + 4 * mbs * shape.max_new_tokens * t.vocab_size)
+        pool_group = getattr(self.engine, "pool_group_bytes", None)
+        one_group = pool_group(n, max(shape.prompt_lengths), shape.max_new_tokens) if pool_group else 0
+        groups = min(len(shape.prompt_lengths), max(1, getattr(self.engine, "max_batch", n) // n))
+        pool = getattr(self.engine, "kv_pool_bytes", 0)
+        managed = None
+        if self.memory is not None:
+            managed = {row.phase: row.peak_bytes for row in self.memory.plan.phases}
+        capacity = self.settings.plan.memory_budget_bytes or device_capacity(self.device)
+        residents = step_residents(actor_bytes=nbytes(actor), reference_bytes=ref_bytes,
+                                   optimizer_bytes=2 * nbytes(trainable), grad_bytes=nbytes(trainable),
+                                   kv_pool_bytes=0, train_activation_bytes=train_act, managed=managed)
+        budget = MemoryBudget(capacity, residents)
+        if self.settings.kv_pool_from_budget and one_group:
+            pool = kv_pool_bytes(groups * one_group, one_group, budget.stage_bytes("rollout"), budget.usable_bytes)
+            self.engine.kv_pool_bytes = pool
+        if one_group and pool < one_group:
+            pool = one_group  # the engine cannot run with less: counted so the check below names the keys
+        if managed is None:
+            residents["rollout"]["kv_pool"] = pool
+        return budget
 
     @contextmanager
     def _stage(self, stage: Stage, timeline: Timeline, phase_timer):
@@ -177,7 +225,7 @@ class StepRunner:
         st, schedule = self.settings, step.schedule
         prefill = None
         if schedule.mode != "serial" and self.engine.capabilities.prefill_hook:
-            prefill = rollout_prefill(schedule, self.scorer, self.actor, step.prefixes)
+            prefill = rollout_prefill(schedule, self.scorer, self.actor, step.prefixes, step.prompts)
         jobs = step.window_jobs = DecodeWindowJobs(
             schedule, self.scorer, self.reference, step.prompts, step.params.n, st.plan.sample_batch(step.params.n),
             step.prefixes, self.window, step.timeline, st.temperature, self.device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ..models.attention import PrefixState
 from .grpo_step import request_from_outputs
@@ -86,12 +87,35 @@ class PrefixStore:
         held = [self._pop(k) for k in keys]
         return [state for state, _ in held], any(batched for _, batched in held)
 
+    def take_some(self, model, prompts) -> tuple[list[PrefixState | None], bool] | None:
+        """Like `take` where only some of the prompts are held: their states (None for the others), or None when
+        none is held."""
+        keys = [(id(model), id(p)) for p in prompts]
+        if not any(k in self._held for k in keys):
+            return None
+        self.served += 1
+        held = [self._pop(k) if k in self._held else None for k in keys]
+        return [h[0] if h else None for h in held], any(h[1] for h in held if h)
+
     def clear(self) -> None:
         self._held.clear()
         self._kv_bytes.clear()
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+def merge_prefix_states(states: list[PrefixState]) -> PrefixState:
+    """Stack single-prompt prefix states into one right-padded batch (differentiable)."""
+    if len(states) == 1:
+        return states[0]
+    width = max(int(s.lengths.max()) for s in states)
+    pad = lambda t: F.pad(t, (0, 0, 0, width - t.shape[2]))
+    layers = range(len(states[0].k))
+    return PrefixState([torch.cat([pad(s.k[i]) for s in states]) for i in layers],
+                       [torch.cat([pad(s.v[i]) for s in states]) for i in layers],
+                       torch.cat([s.lengths for s in states]), torch.cat([s.next_position for s in states]),
+                       torch.cat([s.last_hidden for s in states]))
 
 
 def prompt_part(state: PrefixState, b: int, length: int) -> PrefixState:
@@ -119,12 +143,30 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
         return t.detach()  # what autograd keeps: the tensor itself would tie a saved output to its own grad_fn
 
 
-def fused_prefill(scorer, model, store: PrefixStore) -> Callable[[Sequence], PrefixState]:
+def fused_prefill(scorer, model, store: PrefixStore, hold: set[int] | None = None
+                  ) -> Callable[[Sequence], PrefixState]:
     """A rollout prefill that keeps autograd and holds each prompt's part in `store` for the first training epoch
     (the engine gets the detached state). `scorer` is the step's DecomposedScorer: its prefix reads the frozen
-    tower's cached encodings, and it takes the held parts back when training scores the prompts."""
+    tower's cached encodings, and it takes the held parts back when training scores the prompts. `hold`: ids of
+    the prompts whose graph the memory budget lets the step hold (None: all); the others of a prefill run as a
+    no-grad batch of their own, so no graph of theirs is kept (the schedule's prefix_forms say which)."""
 
     def prefill(prompts):
+        fused = [p for p in prompts if hold is None or id(p) in hold]
+        if not fused:
+            with torch.no_grad():
+                return scorer.prefix(model, prompts)[0]
+        state = _fused(fused)
+        if len(fused) == len(prompts):
+            return state
+        rest = [p for p in prompts if id(p) not in hold]
+        with torch.no_grad():
+            plain = scorer.prefix(model, rest)[0]
+        parts = {id(p): prompt_part(state, b, len(p.input_ids)) for b, p in enumerate(fused)}
+        parts.update({id(p): prompt_part(plain, b, len(p.input_ids)) for b, p in enumerate(rest)})
+        return merge_prefix_states([parts[id(p)] for p in prompts])  # the engine's order: its slots follow it
+
+    def _fused(prompts):
         saved = SavedBytes(model)
         with torch.enable_grad():  # the parts too: a view made under no_grad would cut them from the graph
             with saved:
@@ -149,11 +191,11 @@ def hold_prefix(scorer, model, prompt, store: PrefixStore) -> None:
     scorer.counts.add(TokenCounts(prefix_tokens=len(prompt.input_ids)))
 
 
-def rollout_prefill(schedule: Schedule, scorer, actor, store: PrefixStore):
+def rollout_prefill(schedule: Schedule, scorer, actor, store: PrefixStore, prompts: Sequence):
     """The prefill the schedule gives the engine: fused (autograd kept, held for training) where the actor prefix
-    is placed in the rollout, else the scorer's no-grad prefill (the frozen tower's one encoding serves rollout)."""
+    is placed in the rollout (for the prompts the schedule fuses), else the scorer's no-grad prefill (the frozen tower's one encoding serves rollout)."""
     if schedule.placed(PhaseName.ACTOR_PREFIX, fused_into(PhaseName.ROLLOUT)):
-        return fused_prefill(scorer, actor, store)
+        return fused_prefill(scorer, actor, store, hold={id(prompts[i]) for i in schedule.fused_prompts()})
     return scorer.rollout_prefill(actor)
 
 
