@@ -13,7 +13,7 @@ from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.executor import StepRunner, StepSettings
-from torchplex.runtime.memory_budget import (FIT_KEYS, GRAPH, HEADROOM, NONE, BatchTooLargeError, MemoryBudget,
+from torchplex.runtime.memory_budget import (COMPACT, FIT_KEYS, GRAPH, HEADROOM, NONE, BatchTooLargeError, MemoryBudget,
                                              choose_prefix_forms, kv_pool_bytes, step_residents)
 from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
 
@@ -24,11 +24,9 @@ SHAPE = StepShape(prompt_lengths=(100, 60, 100), group_size=4, max_new_tokens=8,
 
 @pytest.mark.parametrize("room,forms", [
     (0, [NONE, NONE, NONE]),
-    (479_999, [NONE, NONE, NONE]),
-    (480_000, [NONE, GRAPH, NONE]),                # only the short prompt's graph fits
-    (800_000, [GRAPH, NONE, NONE]),                # the first takes it all
+    (480_000, [NONE, NONE, NONE]),                 # admission order: the first prompt's graph does not fit
+    (800_000, [GRAPH, NONE, NONE]),
     (1_280_000, [GRAPH, GRAPH, NONE]),
-    (1_600_000, [GRAPH, GRAPH, NONE]),             # greedy in admission order: the third no longer fits
     (2_080_000, [GRAPH, GRAPH, GRAPH]),
 ])
 def test_planner_holds_whole_graphs_for_the_prompts_that_fit(room, forms):
@@ -44,6 +42,27 @@ def test_planner_holds_whole_graphs_for_the_prompts_that_fit(room, forms):
         assert s.phase("actor_prefix").holds_bytes == 8000 * fused_tokens
     assert s.phase("train").tokens == 260 - fused_tokens + 3 * 4 * 8  # the unfused prefixes are computed there
     assert '"prefix_forms"' in s.to_json()
+
+
+# compact: 2,000 bytes per token (100 / 60 / 100 tokens: 200,000 / 120,000 / 200,000); graph 8,000
+@pytest.mark.parametrize("room,forms", [
+    (199_999, [NONE, NONE, NONE]),
+    (200_000, [COMPACT, NONE, NONE]),
+    (520_000, [COMPACT, COMPACT, COMPACT]),        # every prompt compact before any graph
+    (1_119_999, [COMPACT, COMPACT, COMPACT]),
+    (1_120_000, [GRAPH, COMPACT, COMPACT]),        # one graph while the others still fit compact
+    (1_480_000, [GRAPH, GRAPH, COMPACT]),
+    (2_080_000, [GRAPH, GRAPH, GRAPH]),
+])
+def test_planner_holds_the_rest_compact(room, forms):
+    shape = dataclasses.replace(SHAPE, prefix_room_bytes=room, compact_bytes_per_token=2000)
+    s = plan_step(shape, PlanOptions(mode="overlapped"))
+    assert [c.form for c in s.prefix_forms] == forms
+    rate = {GRAPH: 8000, COMPACT: 2000, NONE: 0}
+    assert [c.bytes for c in s.prefix_forms] == [rate[f] * L for L, f in zip(SHAPE.prompt_lengths, forms)]
+    assert sum(c.bytes for c in s.prefix_forms) <= room
+    if s.has("actor_prefix"):
+        assert s.phase("actor_prefix").holds_bytes == sum(c.bytes for c in s.prefix_forms)
 
 
 def test_decomposed_mode_holds_no_graph_whatever_the_room():
@@ -144,10 +163,12 @@ def budget_for_room(setup, room: int) -> int:
     return math.ceil((peak + room) / (1 - HEADROOM)) + 1
 
 
-def graph_bytes(setup) -> list[int]:
+def form_bytes(setup) -> dict[str, list[int]]:
+    """Per prompt, what each holding form takes at this setup's first step (the runner's estimates)."""
     runner = runner_for(setup, "overlapped", budget=2**40)
     shape = runner.shape(setup[1], params_for(setup))
-    return [round(shape.activation_bytes_per_token * L) for L in shape.prompt_lengths]
+    return {GRAPH: [math.ceil(shape.activation_bytes_per_token * L) for L in shape.prompt_lengths],
+            COMPACT: [math.ceil(shape.compact_bytes_per_token * L) for L in shape.prompt_lengths]}
 
 
 @pytest.fixture(scope="module")
@@ -160,20 +181,21 @@ def rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("holding", ["all", "none", "mixed"])
+HOLDINGS = {"graph": [GRAPH] * 3, "none": [NONE] * 3, "compact": [COMPACT] * 3,
+            "graph+compact": [GRAPH, COMPACT, COMPACT], "compact+none": [COMPACT, NONE, NONE]}
+
+
+@pytest.mark.parametrize("holding", list(HOLDINGS))
 def test_each_holding_form_gives_the_serial_step(setup, serial, holding):
-    """Budgets that force every prompt's whole graph, none, and some (micro-batches of two groups: one holds a
-    fused prompt and an unfused one): losses and every parameter gradient within 1e-5 of the serial step."""
-    sizes = graph_bytes(setup)
-    room = {"all": sum(sizes) + 10, "none": 0, "mixed": sizes[0]}[holding]
+    """Budgets that force every prompt's whole graph, none, all compact (recomputed layer by layer in the
+    backward), and mixes (micro-batches of two groups: compact+none puts a fused prompt and an unfused one in
+    one): losses and every parameter gradient within 1e-5 of the serial step."""
+    forms = HOLDINGS[holding]
+    sizes = form_bytes(setup)
+    room = sum(sizes[f][i] for i, f in enumerate(forms) if f != NONE)
     runner = runner_for(setup, "overlapped", budget=budget_for_room(setup, room))
     out = step(runner, setup)
-    forms = [c.form for c in out.schedule.prefix_forms]
-    expect = {"all": [GRAPH] * 3, "none": [NONE] * 3}.get(holding)
-    if expect:
-        assert forms == expect
-    else:
-        assert forms[0] == GRAPH and NONE in forms, forms
+    assert [c.form for c in out.schedule.prefix_forms] == forms
     ref_out, ref_grads = serial
     assert torch.equal(out.experience.tokens, ref_out.experience.tokens)
     assert rel(out.train.stats.loss, ref_out.train.stats.loss) < RTOL
@@ -181,8 +203,14 @@ def test_each_holding_form_gives_the_serial_step(setup, serial, holding):
     for g, r in zip(runner.optimizer.grads, ref_grads):
         assert rel(g, r) < RTOL
     held = sum(c.bytes for c in out.schedule.prefix_forms)
-    assert held <= room and out.schedule.memory["room_bytes"] >= held
-    assert len(runner.scorer.store) == 0  # every held graph was consumed by training
+    assert held <= room <= out.schedule.memory["room_bytes"]
+    assert len(runner.scorer.store) == 0  # every held prefix was consumed by training
+    if COMPACT in forms:  # the compact form kept the layer inputs, far less than the whole graph
+        nbytes, tokens = out.prefixes.compact_bytes[id(runner.actor)]
+        whole = runner_for(setup, "overlapped", budget=2**40)
+        graph, graph_tokens = step(whole, setup).prefixes.graph_bytes[id(whole.actor)]
+        print(f"held per prompt token: compact {nbytes / tokens:.0f} B, whole graph {graph / graph_tokens:.0f} B")
+        assert 0 < nbytes / tokens < 0.5 * graph / graph_tokens
 
 
 def test_step_that_cannot_fit_fails_before_it_runs(setup):

@@ -102,8 +102,11 @@ class StepRunner:
         self.device = next(actor.parameters()).device
         self.window = WindowWorker(self.device)
         # what a fused prefill's graph held per prompt token, measured (overlap.SavedBytes); until the first fused
-        # step, an estimate (8 times the K/V)
+        # step, an estimate (_graph_estimate)
         self._activation_bytes_per_token: float | None = None
+        # likewise for the compact form (overlap.CompactPrefix); until measured, one hidden state per decoder layer
+        # (a trainable tower's block inputs per vision token besides)
+        self._compact_bytes_per_token: float | None = None
 
     def attach_memory(self, memory) -> None:
         if self.settings.plan.ref_prefix_in_window or self.settings.plan.ref_suffix_in_window:
@@ -129,8 +132,31 @@ class StepRunner:
                          max_new_tokens=params.max_new_tokens, has_reference=self.reference is not None,
                          vision_trainable=self._vision_trainable(),
                          ppo_epochs=self.settings.ppo_epochs, kv_bytes_per_token=kv,
-                         activation_bytes_per_token=self._activation_bytes_per_token or kv * 8,
+                         activation_bytes_per_token=self._activation_bytes_per_token or self._graph_estimate(),
+                         compact_bytes_per_token=self._compact_bytes_per_token or self._compact_estimate(),
                          device=self.device.type)
+
+    def _graph_estimate(self) -> float:
+        """Bytes per prompt token a fused prefill's whole graph holds, before it was measured: per decoder layer
+        about 8 hidden-sized and 4 MLP-sized saved tensors (norms, q/k/v, attention output; gate, up, activation,
+        product), a trainable tower's blocks likewise for the 4 patches of a merged token. An overestimate only
+        fuses fewer prompts in the first step (7B: ~6 MiB per token; the H200 measured several MB)."""
+        args, size = self.actor.args, self.actor.output_weight.element_size()
+        layer = lambda hidden, inter: (8 * hidden + 4 * inter) * size
+        text = args.text.num_layers * layer(args.text.hidden_size, args.text.intermediate_size)
+        v = args.vision
+        vision = (v.depth * layer(v.hidden_size, v.intermediate_size) * v.spatial_merge_size ** 2
+                  if self._vision_trainable() else 0)
+        return text + vision
+
+    def _compact_estimate(self) -> float:
+        """Bytes per prompt token the compact form holds, before it was measured: the hidden state entering each
+        decoder layer, and (trainable tower) each vision block's input for the 4 patches a merged token has."""
+        args, size = self.actor.args, self.actor.output_weight.element_size()
+        text = args.text.hidden_size * args.text.num_layers * size
+        v = args.vision
+        vision = v.hidden_size * v.depth * v.spatial_merge_size ** 2 * size if self._vision_trainable() else 0
+        return text + vision
 
     def run(self, prompts: list, answers: list[str], params: SamplingParams, *, sample_seeds=None,
             phase_timer=None) -> StepOutput:
@@ -155,6 +181,9 @@ class StepRunner:
         if id(self.actor) in step.prefixes.graph_bytes:
             nbytes, tokens = step.prefixes.graph_bytes[id(self.actor)]
             self._activation_bytes_per_token = nbytes / tokens
+        if id(self.actor) in step.prefixes.compact_bytes:
+            nbytes, tokens = step.prefixes.compact_bytes[id(self.actor)]
+            self._compact_bytes_per_token = nbytes / tokens
         step.prefixes.clear()  # prefixes of groups dynamic sampling dropped: free their graphs
         if self.memory is not None:
             self.memory.close()

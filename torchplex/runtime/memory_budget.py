@@ -12,7 +12,12 @@ from what is left, how each prompt's actor prefix may be held from the rollout t
 Holding forms, chosen per prompt in admission order (`choose_prefix_forms`):
     graph       the whole autograd graph of the fused prefill (bytes per token: overlap.SavedBytes, measured on the
                 first fused step; 8x the K/V until then), for as many prompts as fit in the room
+    compact     the fused prefill under per-layer checkpointing (overlap.CompactPrefix): what it holds is each decoder
+                layer's (and trainable vision block's) input, the layer-boundary hidden states, beside the prefix
+                K/V the store holds anyway; the backward recomputes layer by layer
     none        not fused: the prompt's actor prefix is computed in training, as in decomposed mode
+As many prompts get the whole graph as can while every other fused prompt still fits as compact; then as many
+compact as fit; the rest none.
 Nothing here is unbounded: without a room there is no fusion, and a step whose smallest form cannot fit fails before
 it runs (`BatchTooLargeError`, naming the config keys to change).
 """
@@ -25,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-GRAPH, NONE = "graph", "none"
+GRAPH, COMPACT, NONE = "graph", "compact", "none"
 HELD_STAGES = ("rollout", "ref", "train")  # a fused prefix is held from the rollout prefill to its training
 HEADROOM = 0.05  # of capacity, for the allocator's fragmentation and the small tensors no group counts
 # what to change when a step does not fit, in the order a user reaches for them
@@ -42,7 +47,7 @@ class PrefixChoice:
     """How one prompt's actor prefix is held from the rollout to training (the schedule records one per prompt)."""
 
     prompt: int
-    form: str    # GRAPH | NONE
+    form: str    # GRAPH | COMPACT | NONE
     tokens: int
     bytes: int   # what the chosen form holds (0 for NONE)
     reason: str
@@ -91,20 +96,30 @@ def device_capacity(device: torch.device) -> int:
 
 
 def choose_prefix_forms(prompt_lengths: tuple[int, ...], graph_bytes_per_token: float, room_bytes: int,
-                        fusable: bool = True, why_not: str = "") -> list[PrefixChoice]:
-    """Each prompt's holding form, greedily in admission order: its whole graph while it fits in the room left."""
-    choices, left = [], room_bytes
-    for i, tokens in enumerate(prompt_lengths):
-        need = math.ceil(graph_bytes_per_token * tokens)
-        if not fusable:
-            choices.append(PrefixChoice(i, NONE, tokens, 0, why_not or "fusion off"))
-        elif need <= left:
-            left -= need
-            choices.append(PrefixChoice(i, GRAPH, tokens, need, f"graph {need / 2**20:.1f} MiB fits "
-                                        f"({(left + need) / 2**20:.1f} MiB of room left)"))
+                        fusable: bool = True, why_not: str = "", compact_bytes_per_token: float = 0
+                        ) -> list[PrefixChoice]:
+    """Each prompt's holding form in admission order: the first k prompts whole graphs and the next ones compact
+    (compact_bytes_per_token 0: no compact form), k as large as lets every fused prompt fit the room; the
+    prompts after those none."""
+    n = len(prompt_lengths)
+    if not fusable:
+        return [PrefixChoice(i, NONE, L, 0, why_not or "fusion off") for i, L in enumerate(prompt_lengths)]
+    graph = [math.ceil(graph_bytes_per_token * L) for L in prompt_lengths]
+    compact = [math.ceil(compact_bytes_per_token * L) if compact_bytes_per_token else None for L in prompt_lengths]
+    # m: prompts fused at all (the longest run of compact forms that fits; all graphs without a compact form)
+    fits = lambda sizes: [i for i in range(n + 1) if sum(sizes[:i]) <= room_bytes][-1]
+    m = fits(compact) if compact_bytes_per_token else fits(graph)
+    k = max(i for i in range(m + 1) if sum(graph[:i]) + sum(c or 0 for c in compact[i:m]) <= room_bytes)
+    choices, used = [], 0
+    for i, L in enumerate(prompt_lengths):
+        form, need = (GRAPH, graph[i]) if i < k else (COMPACT, compact[i]) if i < m else (NONE, 0)
+        used += need
+        if form == NONE:
+            best = compact[i] if compact_bytes_per_token else graph[i]
+            reason = f"{best / 2**20:.1f} MiB over the room left: computed in training"
         else:
-            choices.append(PrefixChoice(i, NONE, tokens, 0, f"graph {need / 2**20:.1f} MiB over the "
-                                        f"{left / 2**20:.1f} MiB of room left: computed in training"))
+            reason = f"{need / 2**20:.1f} MiB, {used / 2**20:.1f} of {room_bytes / 2**20:.1f} MiB of room used"
+        choices.append(PrefixChoice(i, form, L, need, reason))
     return choices
 
 

@@ -22,7 +22,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from ..rollout.protocol import RolloutCapabilities
-from .memory_budget import GRAPH, PrefixChoice, choose_prefix_forms
+from .memory_budget import COMPACT, GRAPH, NONE, PrefixChoice, choose_prefix_forms
 from .phases import FUSED, MAIN, WINDOW, PhaseName, Stage, fused_into, stage_of, window_of
 
 
@@ -41,6 +41,8 @@ class StepShape:
     # what held prefix state may take from the rollout to training (memory_budget.MemoryBudget.room_bytes): the
     # budget less every resident group of the fullest stage; 0 holds nothing
     prefix_room_bytes: int = 0
+    # what the compact form (overlap.CompactPrefix: layer-boundary hidden states) holds per prompt token; 0: none
+    compact_bytes_per_token: float = 0
     device: str = "cpu"
 
     @property
@@ -107,8 +109,8 @@ class Schedule:
     memory: dict = field(default_factory=dict)  # the budget it was planned from (MemoryBudget.to_dict), if any
 
     def fused_prompts(self) -> list[int]:
-        """Prompts whose actor prefix the rollout prefill keeps as a whole graph for training."""
-        return [c.prompt for c in self.prefix_forms if c.form == GRAPH]
+        """Prompts whose actor prefix the rollout prefill keeps for training (whole graph or compact)."""
+        return [c.prompt for c in self.prefix_forms if c.form != NONE]
 
     def phase(self, name: str) -> Phase:
         for p in self.phases:
@@ -188,10 +190,13 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
         why_not = f"the rollout engine {missing} ({rollout.why_not})"
         s.reasons.append(f"actor prefix not fused: {why_not}")
     s.prefix_forms = choose_prefix_forms(shape.prompt_lengths, shape.activation_bytes_per_token,
-                                         shape.prefix_room_bytes, fusable=fuse, why_not=why_not)
+                                         shape.prefix_room_bytes, fusable=fuse, why_not=why_not,
+                                         compact_bytes_per_token=shape.compact_bytes_per_token)
     fused = s.fused_prompts()
-    # the graph of the fused prompts as one (rounded once: the measured rate times their tokens is what they held)
-    held = round(shape.activation_bytes_per_token * sum(shape.prompt_lengths[i] for i in fused))
+    # each form's prompts as one (rounded once: a measured rate times their tokens is what they held)
+    tokens_of = lambda form: sum(c.tokens for c in s.prefix_forms if c.form == form)
+    held = (round(shape.activation_bytes_per_token * tokens_of(GRAPH))
+            + round(shape.compact_bytes_per_token * tokens_of(COMPACT)))
     if fuse and len(fused) < len(shape.prompt_lengths):
         s.reasons.append((f"actor prefix fused for {len(fused)} of {len(shape.prompt_lengths)} prompts" if fused
                           else "actor prefix not fused") + ": the room for "
