@@ -107,6 +107,9 @@ class StepRunner:
         # likewise for the compact form (overlap.CompactPrefix); until measured, one hidden state per decoder layer
         # (a trainable tower's block inputs per vision token besides)
         self._compact_bytes_per_token: float | None = None
+        # what a training stage allocated beyond its entry and the gradients, measured on CUDA (_stage); until
+        # then the budget's estimate (memory_budget)
+        self._train_activation_bytes: int | None = None
 
     def attach_memory(self, memory) -> None:
         if self.settings.plan.ref_prefix_in_window or self.settings.plan.ref_suffix_in_window:
@@ -215,8 +218,10 @@ class StepRunner:
         mbs, n = self.settings.micro_batch_size, shape.group_size
         # the training micro-batch: its suffix graphs, the prefix graphs of its (unfused) prompts, fp32 logits
         rate = shape.activation_bytes_per_token
-        train_act = math.ceil(rate * (mbs * shape.max_new_tokens + math.ceil(mbs / n) * max(shape.prompt_lengths))
-                              + 4 * mbs * shape.max_new_tokens * t.vocab_size)
+        train_act = self._train_activation_bytes
+        if train_act is None:
+            train_act = math.ceil(rate * (mbs * shape.max_new_tokens + math.ceil(mbs / n) * max(shape.prompt_lengths))
+                                  + 4 * mbs * shape.max_new_tokens * t.vocab_size)
         pool_group = getattr(self.engine, "pool_group_bytes", None)
         one_group = pool_group(n, max(shape.prompt_lengths), shape.max_new_tokens) if pool_group else 0
         groups = min(len(shape.prompt_lengths), max(1, getattr(self.engine, "max_batch", n) // n))
@@ -243,7 +248,16 @@ class StepRunner:
         with timeline.span(stage), (phase_timer.phase(stage) if phase_timer else nullcontext()):
             if self.memory is not None and stage in {row.phase for row in self.memory.plan.phases}:
                 self.memory.enter(stage)  # waits for this stage's groups, starts the next stage's prefetches
+            measure = stage is Stage.TRAIN and self.device.type == "cuda"
+            if measure:  # what training allocates beyond what it found: its activations and the gradients
+                torch.cuda.synchronize(self.device)
+                entry = torch.cuda.memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
             yield
+            if measure:
+                torch.cuda.synchronize(self.device)
+                grads = sum(p.numel() * p.element_size() for p in self.actor.parameters() if p.requires_grad)
+                self._train_activation_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - entry - grads)
 
     # ---- the stages ------------------------------------------------------------------------------------------
     def _vision(self, step: _Step) -> None:

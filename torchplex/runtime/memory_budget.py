@@ -71,15 +71,18 @@ class MemoryBudget:
         return max(0, self.usable_bytes - max(self.stage_bytes(s) for s in HELD_STAGES))
 
     def check(self, what: str = "the step") -> None:
-        """Raise BatchTooLargeError when a stage's residents exceed the usable budget."""
-        over = [(s, self.stage_bytes(s)) for s in HELD_STAGES if self.stage_bytes(s) > self.usable_bytes]
+        """Raise BatchTooLargeError when a stage's groups exceed the usable budget. Activations (an estimate until
+        training measured them on a GPU) count in the room only: a wrong guess fuses fewer prompts, it does not
+        refuse a step that would have run."""
+        need = lambda s: self.stage_bytes(s) - self.residents.get(s, {}).get("activations", 0)
+        over = [(s, need(s)) for s in HELD_STAGES if need(s) > self.usable_bytes]
         if not over:
             return
-        stage, need = max(over, key=lambda x: x[1])
+        stage, worst = max(over, key=lambda x: x[1])
         groups = ", ".join(f"{g} {b / 2**30:.2f}" for g, b in sorted(self.residents[stage].items(),
-                                                                    key=lambda x: -x[1]))
+                                                                    key=lambda x: -x[1]) if g != "activations")
         raise BatchTooLargeError(
-            f"{what} does not fit in memory even with no prefix fused: its {stage} stage needs {need / 2**30:.2f} GiB "
+            f"{what} does not fit in memory even with no prefix fused: its {stage} stage needs {worst / 2**30:.2f} GiB "
             f"({groups} GiB) of the {self.usable_bytes / 2**30:.2f} GiB usable ({self.capacity_bytes / 2**30:.2f} GiB "
             f"budget less {HEADROOM:.0%} headroom). Change one of: {', '.join(FIT_KEYS)}")
 
