@@ -81,6 +81,12 @@ class _Step:
     result: TrainResult | None = None
 
 
+def _local_bytes(params) -> int:
+    """Bytes of these tensors on this rank (a DTensor counts its local shard)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
 class StepRunner:
     def __init__(self, actor, reference, engine, optimizer, lr_scheduler, tokenizer, settings: StepSettings,
                  *, pad_id: int = 0, dp_size: int = 1, dp_group=None, memory=None):
@@ -207,13 +213,13 @@ class StepRunner:
     def memory_budget(self, shape: StepShape, params: SamplingParams) -> MemoryBudget:
         """The budget (PlanOptions.memory_budget_bytes, else the device's) and every group resident per stage. With
         kv_pool_from_budget, the engine's KV pool is sized here: what all groups need, as far as the room allows."""
-        nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)
+        nbytes = _local_bytes
         actor = list(self.actor.parameters())
         trainable = [p for p in actor if p.requires_grad]
         ref_bytes = 0
         if self.reference is not None:  # a frozen tower shared with the actor is the actor's
-            mine = {p.untyped_storage().data_ptr() for p in actor}
-            ref_bytes = nbytes(p for p in self.reference.parameters() if p.untyped_storage().data_ptr() not in mine)
+            mine = {id(p) for p in actor}
+            ref_bytes = nbytes(p for p in self.reference.parameters() if id(p) not in mine)
         t = self.actor.args.text
         mbs, n = self.settings.micro_batch_size, shape.group_size
         # the training micro-batch: its suffix graphs, the prefix graphs of its (unfused) prompts, fp32 logits
@@ -256,7 +262,7 @@ class StepRunner:
             yield
             if measure:
                 torch.cuda.synchronize(self.device)
-                grads = sum(p.numel() * p.element_size() for p in self.actor.parameters() if p.requires_grad)
+                grads = _local_bytes(p for p in self.actor.parameters() if p.requires_grad)
                 self._train_activation_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - entry - grads)
 
     # ---- the stages ------------------------------------------------------------------------------------------

@@ -176,6 +176,7 @@ class CompactPrefix:
         self._seen: set[int] = set()
 
     def keep(self, x: torch.Tensor) -> None:
+        x = x.to_local() if hasattr(x, "to_local") else x  # a DTensor: this rank's shard
         key = x.untyped_storage().data_ptr()
         if x.requires_grad and key not in self._seen:  # an input without grad (frozen tower) is not kept for backward
             self._seen.add(key)
