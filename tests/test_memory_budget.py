@@ -240,3 +240,20 @@ def test_kv_pool_from_the_budget_admits_groups_in_turn_with_the_same_tokens(setu
     out_small = step(small, setup)
     assert small.engine.pool.num_groups == 1 and small.engine.stats.prefills == 3
     assert torch.equal(out_small.experience.tokens, out_big.experience.tokens)
+
+
+def test_engine_without_a_sized_pool_takes_what_its_groups_need(setup):
+    """rollout.kv_pool_gib 0 before the runner sized the pool (an evaluation before the first step): the engine
+    holds every group of the call instead of failing on a zero-byte pool."""
+    processor, prompts, base, _ = setup
+    engine = RolloutEngine(base, kv_pool_bytes=0)
+    out = engine.generate(prompts, params_for(setup))
+    assert engine.pool.num_groups == len(prompts) and all(len(g) == 4 for g in out)
+
+
+def test_negative_budget_keys_are_refused():
+    from torchplex.config import ConfigError, load_config
+
+    for flag in ("--rollout.kv_pool_gib=-1", "--memory.budget_gib=-2"):
+        with pytest.raises(ConfigError, match=flag.split("=")[0].lstrip("-")):
+            load_config([flag])

@@ -327,6 +327,8 @@ _CHECKS = [
     ("algorithm.clip_low", lambda c: 0 <= c.algorithm.clip_low < 1, "must be in [0, 1)"),
     ("algorithm.clip_high", lambda c: c.algorithm.clip_high >= 0, "must be >= 0"),
     ("algorithm.micro_batch_size", lambda c: c.algorithm.micro_batch_size >= 1, "must be >= 1"),
+    ("rollout.kv_pool_gib", lambda c: c.rollout.kv_pool_gib >= 0, "must be >= 0 (0 = sized from the memory budget)"),
+    ("memory.budget_gib", lambda c: c.memory.budget_gib >= 0, "must be >= 0 (0 = the device's memory)"),
     ("reward.weights", lambda c: len(c.reward.weights) == len(c.reward.functions),
      "must have one weight per entry of reward.functions"),
     ("parallelism.dp_shard", lambda c: c.parallelism.dp_shard == -1 or c.parallelism.dp_shard >= 1,
