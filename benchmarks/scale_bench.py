@@ -153,6 +153,7 @@ def parse(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=0, help="image prompts of this size instead of the workload's")
+    ap.add_argument("--video", default="", help="FRAMES,SIDE: video prompts of this size instead of the workload's")
     ap.add_argument("--response", type=int, default=0, help="response cap instead of the workload's")
     ap.add_argument("--mean-response", type=int, default=-1, help="mean response instead of the workload's (0: no stops)")
     ap.add_argument("--micro-batch", type=int, default=8)
@@ -166,7 +167,8 @@ def parse(argv=None):
     ap.add_argument("--plot", default="", help="PNG of step time and s/sample vs P (default docs/img/scale-<workload>.png)")
     a = ap.parse_args(argv)
     w = WORKLOADS[a.workload]
-    a.video = None if a.prompt_tokens else w["video"]
+    a.video = (tuple(int(x) for x in a.video.split(",")) if a.video
+               else None if a.prompt_tokens else w["video"])
     a.prompt_tokens = a.prompt_tokens or w["prompt_tokens"]
     a.response = a.response or w["response"]
     a.mean_response = w["mean_response"] if a.mean_response < 0 else a.mean_response

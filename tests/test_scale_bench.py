@@ -31,3 +31,16 @@ def test_scale_bench_runs_a_list_of_p_and_modes_and_keeps_going_after_a_failure(
                                         "0.001"])["rows"]
     assert [(r["mode"], r["ok"]) for r in failed] == [("serial", False), ("decomposed", False)]
     assert all("BatchTooLargeError" in r["error"] and "rollout.kv_pool_gib" in r["error"] for r in failed)
+
+
+def test_video_workload_prompt_has_the_workloads_token_count_and_runs(tmp_path):
+    """vid: 32 frames of 448 x 448 are 16 temporal grids x 256 merged patches (4,096 vision tokens, ~4,120 in
+    all); a small video prompt runs a step end to end."""
+    args = scale_bench.bench_flavor("debug")
+    prompt = scale_bench.make_video_prompt(args, 32, 448, seed=0)
+    assert (prompt.input_ids == args.video_token_id).sum() == 4096 and 4100 < len(prompt.input_ids) < 4130
+    rows = scale_bench.main(["--workload", "vid", "--video", "4,56", "--geometry", "debug", "--dtype", "float32",
+                             "--response", "4", "--group", "2", "--repeats", "0", "--prompts", "1",
+                             "--modes", "overlapped", "--out", str(tmp_path / "v.json"),
+                             "--plot", str(tmp_path / "v.png")])["rows"]
+    assert rows[0]["ok"], rows[0]["error"]
