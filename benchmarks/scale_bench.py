@@ -7,9 +7,9 @@
 The workloads of ../shared/WORKLOADS.md (`img`, `vid`, `img-small`) on step_bench's models and prompts, each mode
 built by the trainer's builder (runtime/build.py) from step_bench's Config. Every (P, mode) is a row of
 benchmarks/results/scale-YYYYMMDD-<short>.json (topic "scale", ../shared/RESULTS.md): step time (median of the timed
-steps after a warm-up), phases, peak allocated GiB (CPU: the process's peak RSS), samples, tokens, and the step's memory plan against what it
-held (planned bytes per group and stage, the prefix forms chosen, the KV pool and held graph measured). A row that
-runs out of memory or fails is `ok: false` with the error's first line, and the script goes on; a mode whose step
+steps after a warm-up), phases, peak allocated GiB (CPU: the process's peak RSS), samples, tokens, and the step's
+memory plan against what it held (planned bytes per group and stage, the prefix forms chosen, the KV pool and held
+graph measured). A row that runs out of memory or fails is `ok: false` with the error's first line, and the script goes on; a mode whose step
 passed --max-step-s is not run at larger P (its row says why). --plot draws step time and seconds per sample
 against P per mode.
 """
@@ -54,7 +54,8 @@ def make_video_prompt(args, frames: int, side_px: int, seed: int):
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
     text = lambda n: torch.randint(10, 1000, (n,), generator=g).tolist()
     merged = t * side * side // v.spatial_merge_size ** 2
-    ids = text(12) + [args.vision_start_token_id] + [args.video_token_id] * merged + [args.vision_end_token_id] + text(12)
+    ids = (text(12) + [args.vision_start_token_id] + [args.video_token_id] * merged + [args.vision_end_token_id]
+           + text(12))
     return SimpleNamespace(input_ids=torch.tensor(ids), pixel_values=None, image_grid_thw=None,
                            pixel_values_videos=torch.randn(t * side * side, patch_dim, generator=g),
                            video_grid_thw=torch.tensor([[t, side, side]]), second_per_grid_ts=torch.tensor([1.0]))
@@ -71,10 +72,11 @@ def memory_record(out, engine, phase_timer: PhaseTimer) -> dict:
     it held: the KV pool, the fused graphs, the reference prefixes' K/V, each stage's peak."""
     s = out.schedule
     held = out.prefixes.graph_bytes
-    return {"planned": {"capacity_bytes": s.memory.get("capacity_bytes", 0), "room_bytes": s.memory.get("room_bytes", 0),
-                        "residents": s.memory.get("residents", {}),
+    forms = [c.form for c in s.prefix_forms]
+    return {"planned": {"capacity_bytes": s.memory.get("capacity_bytes", 0),
+                        "room_bytes": s.memory.get("room_bytes", 0), "residents": s.memory.get("residents", {}),
                         "held_graph_bytes": sum(c.bytes for c in s.prefix_forms),
-                        "forms": {f: sum(c.form == f for c in s.prefix_forms) for f in {c.form for c in s.prefix_forms}}},
+                        "forms": {f: forms.count(f) for f in sorted(set(forms))}},
             "measured": {"kv_pool_bytes": engine.stats.pool_bytes,
                          "held_graph_bytes": sum(b for b, _ in held.values()),
                          "ref_prefix_kv_peak_bytes": max(out.prefixes.peak_kv_bytes.values(), default=0),
@@ -155,7 +157,8 @@ def parse(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=0, help="image prompts of this size instead of the workload's")
     ap.add_argument("--video", default="", help="FRAMES,SIDE: video prompts of this size instead of the workload's")
     ap.add_argument("--response", type=int, default=0, help="response cap instead of the workload's")
-    ap.add_argument("--mean-response", type=int, default=-1, help="mean response instead of the workload's (0: no stops)")
+    ap.add_argument("--mean-response", type=int, default=-1,
+                    help="mean response instead of the workload's (0: no stops)")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2, help="timed steps after the warm-up (0: the one step is timed)")
     ap.add_argument("--memory-budget-gib", type=float, default=0.0, help="memory.budget_gib (0: the device's)")
@@ -164,7 +167,8 @@ def parse(argv=None):
     ap.add_argument("--freeze-vision", action="store_true")
     ap.add_argument("--max-step-s", type=float, default=240.0, help="a mode past this is not run at larger P")
     ap.add_argument("--out", default="", help="results JSON (default benchmarks/results/scale-DATE-<workload>.json)")
-    ap.add_argument("--plot", default="", help="PNG of step time and s/sample vs P (default docs/img/scale-<workload>.png)")
+    ap.add_argument("--plot", default="",
+                    help="PNG of step time and s/sample vs P (default docs/img/scale-<workload>.png)")
     a = ap.parse_args(argv)
     w = WORKLOADS[a.workload]
     a.video = (tuple(int(x) for x in a.video.split(",")) if a.video
@@ -212,7 +216,8 @@ def main(argv=None) -> dict:
                 runner = build_step_runtime(cfg, actor, reference, engine, optimizer, None, NullTokenizer())
                 row = run_row(a, mode, P, runner, engine, prompts, params, device)
                 if row["step_s"] > a.max_step_s:
-                    stopped[mode] = f"skipped: the step at P={P} took {row['step_s']:.0f} s > --max-step-s {a.max_step_s:.0f}"
+                    stopped[mode] = (f"skipped: the step at P={P} took {row['step_s']:.0f} s > --max-step-s "
+                                     f"{a.max_step_s:.0f}")
             except Exception as e:  # out of memory included: the row says so and the next one runs
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 row = failed_row(a, mode, P, f"{type(e).__name__}: {first}")

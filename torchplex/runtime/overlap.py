@@ -246,7 +246,8 @@ def hold_prefix(scorer, model, prompt, store: PrefixStore) -> None:
 
 def rollout_prefill(schedule: Schedule, scorer, actor, store: PrefixStore, prompts: Sequence):
     """The prefill the schedule gives the engine: fused (autograd kept, held for training) where the actor prefix
-    is placed in the rollout (for the prompts the schedule fuses), else the scorer's no-grad prefill (the frozen tower's one encoding serves rollout)."""
+    is placed in the rollout (for the prompts the schedule fuses), else the scorer's no-grad prefill (the frozen
+    tower's one encoding serves rollout)."""
     if schedule.placed(PhaseName.ACTOR_PREFIX, fused_into(PhaseName.ROLLOUT)):
         return fused_prefill(scorer, actor, store, {id(prompts[c.prompt]): c.form for c in schedule.prefix_forms})
     return scorer.rollout_prefill(actor)
