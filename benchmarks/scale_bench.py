@@ -9,9 +9,9 @@ built by the trainer's builder (runtime/build.py) from step_bench's Config. Ever
 benchmarks/results/scale-YYYYMMDD-<short>.json (topic "scale", ../shared/RESULTS.md): step time (median of the timed
 steps after a warm-up), phases, peak allocated GiB (CPU: the process's peak RSS), samples, tokens, and the step's
 memory plan against what it held (planned bytes per group and stage, the prefix forms chosen, the KV pool and held
-graph measured). A row that runs out of memory or fails is `ok: false` with the error's first line, and the script goes on; a mode whose step
-passed --max-step-s is not run at larger P (its row says why). --plot draws step time and seconds per sample
-against P per mode.
+graph measured). A row that runs out of memory or fails is `ok: false` with the error's first line, and the script
+goes on; a mode whose step passed --max-step-s is not run at larger P (its row says why). --plot draws step time
+and seconds per sample against P per mode.
 """
 
 from __future__ import annotations
@@ -67,18 +67,24 @@ def workload_prompts(args, a, count: int) -> list:
     return [make_prompt(args, a.prompt_tokens, seed=i) for i in range(count)]
 
 
-def memory_record(out, engine, phase_timer: PhaseTimer) -> dict:
+def memory_record(out, runner, engine, phase_timer: PhaseTimer) -> dict:
     """The step's planned bytes (per stage and group, the room for held prefixes, each prompt's form) beside what
-    it held: the KV pool, the fused graphs, the reference prefixes' K/V, each stage's peak."""
+    it held: weights, optimizer state, the KV pool, the fused graphs and compact prefixes, the reference prefixes'
+    K/V, each stage's peak."""
     s = out.schedule
-    held = out.prefixes.graph_bytes
+    tensor_bytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
+    # AdamW's moments, not its 0-dim "step" counters
+    state = [t for st in runner.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
     forms = [c.form for c in s.prefix_forms]
     return {"planned": {"capacity_bytes": s.memory.get("capacity_bytes", 0),
                         "room_bytes": s.memory.get("room_bytes", 0), "residents": s.memory.get("residents", {}),
                         "held_graph_bytes": sum(c.bytes for c in s.prefix_forms),
                         "forms": {f: forms.count(f) for f in sorted(set(forms))}},
-            "measured": {"kv_pool_bytes": engine.stats.pool_bytes,
-                         "held_graph_bytes": sum(b for b, _ in held.values()),
+            "measured": {"actor_weights_bytes": tensor_bytes(runner.actor.parameters()),
+                         "optimizer_state_bytes": tensor_bytes(state),
+                         "kv_pool_bytes": engine.stats.pool_bytes,
+                         "held_graph_bytes": sum(b for b, _ in out.prefixes.graph_bytes.values()),
+                         "held_compact_bytes": sum(b for b, _ in out.prefixes.compact_bytes.values()),
                          "ref_prefix_kv_peak_bytes": max(out.prefixes.peak_kv_bytes.values(), default=0),
                          "stage_peak_bytes": dict(phase_timer.peak_bytes)}}
 
@@ -107,7 +113,7 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device) -> di
     row.update(step_s=statistics.median(steps), peak_gib=peak / 2**30,
                phases_s={k: statistics.median(v) for k, v in phases.items() if any(v)},
                tokens=int(exp.lengths.sum()) + sum(len(p.input_ids) for p in prompts) * a.group,
-               response_tokens=int(exp.lengths.sum()), memory=memory_record(out, engine, timer))
+               response_tokens=int(exp.lengths.sum()), memory=memory_record(out, runner, engine, timer))
     row["s_per_sample"] = row["step_s"] / row["samples"]
     return row
 

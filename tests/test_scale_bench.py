@@ -22,6 +22,8 @@ def test_scale_bench_runs_a_list_of_p_and_modes_and_keeps_going_after_a_failure(
             assert key in r
         planned, measured = r["memory"]["planned"], r["memory"]["measured"]
         assert planned["residents"]["rollout"]["kv_pool"] == measured["kv_pool_bytes"] > 0  # the budget-sized pool
+        assert planned["residents"]["rollout"]["actor_weights"] == measured["actor_weights_bytes"]
+        assert planned["residents"]["rollout"]["optimizer_state"] == measured["optimizer_state_bytes"]  # AdamW
     overlapped = [r for r in rows if r["mode"] == "overlapped"]
     # the fused graph held what the plan declared (the first step's estimate, then the measured rate)
     assert all(r["memory"]["planned"]["forms"] == {"graph": r["prompts"]} for r in overlapped)
