@@ -187,7 +187,8 @@ class DecomposedScorer:
         if held is not None:
             return merge_prefix_states(held[0]), batch, held[1]
         some = self.store.take_some(model, prompts)
-        if some is not None:  # a micro-batch of fused and unfused prompts (the budget fused only some): compute the rest
+        if some is not None:  # a micro-batch of fused and unfused prompts (the budget fused only some): compute the
+            # rest; merged with batched slices, its prefix backward waits for finish_backward with theirs
             states, batched = some
             rest = [p for p, st in zip(prompts, states) if st is None]
             computed = self._prefix(model, rest)[0]
@@ -215,16 +216,16 @@ class DecomposedScorer:
         if any(d.reached() for d in self._deferred):
             raise RuntimeError("a loss of an earlier DecomposedScorer.score was backpropagated with loss.backward(); "
                                "use scorer.backward(loss), which also runs the prefix part")
-        computed_before = len(self.store)
+        # prompts whose prefix comes from the store were computed elsewhere (rollout prefill, window): not counted
+        computed = sum(len(p.input_ids) for p in request.prompts if not self.store.has(model, p))
         prefix, batch, batched = self._prefix(model, request.prompts)
-        reused = len(self.store) < computed_before  # the prefix came from the store: computed elsewhere
         if self.split_prefix_backward and torch.is_grad_enabled():
             prefix, deferred = DeferredPrefix.split(prefix)
             if deferred is not None:
                 deferred.batched = batched
                 self._deferred.append(deferred)
         return self._suffix_scores(model, prefix, request, temperature, with_entropy,
-                                   prompt_tokens=0 if reused else int(batch.lengths.sum()))
+                                   prompt_tokens=computed)
 
     @torch.no_grad()
     def score_on_prefix(self, model, prefix: PrefixState, request: ScoreRequest, temperature: float):
