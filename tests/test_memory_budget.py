@@ -205,6 +205,9 @@ def test_each_holding_form_gives_the_serial_step(setup, serial, holding):
     held = sum(c.bytes for c in out.schedule.prefix_forms)
     assert held <= room <= out.schedule.memory["room_bytes"]
     assert len(runner.scorer.store) == 0  # every held prefix was consumed by training
+    # every prompt's prefix counted once per model (actor: in the rollout when held, else in training), also in a
+    # micro-batch of a held and an unheld prompt
+    assert runner.scorer.counts.prefix_tokens == 2 * sum(len(p.input_ids) for p in setup[1])
     if COMPACT in forms:  # the compact form kept the layer inputs, far less than the whole graph
         nbytes, tokens = out.prefixes.compact_bytes[id(runner.actor)]
         whole = runner_for(setup, "overlapped", budget=2**40)
