@@ -247,6 +247,9 @@ class StepRunner:
             pool = one_group  # the engine cannot run with less: counted so the check below names the keys
         if managed is None:
             residents["rollout"]["kv_pool"] = pool
+        else:  # the part of a pool sized past what the memory plan was built with (kv_pool_gib 0)
+            planned_pool = sum(g.nbytes for g in self.memory.plan.groups if g.name == "kv_pool")
+            residents["rollout"]["kv_pool"] = max(0, pool - planned_pool)
         return budget
 
     @contextmanager
