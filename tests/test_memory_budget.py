@@ -260,3 +260,10 @@ def test_negative_budget_keys_are_refused():
     for flag in ("--rollout.kv_pool_gib=-1", "--memory.budget_gib=-2"):
         with pytest.raises(ConfigError, match=flag.split("=")[0].lstrip("-")):
             load_config([flag])
+
+
+def test_managed_residents_are_the_memory_plans_peaks_beside_the_actor_weights():
+    residents = step_residents(actor_bytes=100, reference_bytes=100, optimizer_bytes=200, grad_bytes=100,
+                               kv_pool_bytes=300, train_activation_bytes=50,
+                               managed={"rollout": 300, "ref": 100, "train": 400})
+    assert {s: sum(g.values()) for s, g in residents.items()} == {"rollout": 400, "ref": 200, "train": 550}
