@@ -354,7 +354,7 @@ def test_named_algorithms_get_their_papers_loss_defaults(tmp_path):
 @pytest.mark.parametrize("key,value", [
     ("metrics.log_interval", "0"), ("training.steps", "0"), ("rollout.max_new_tokens", "0"),
     ("data.prompts_per_step", "0"), ("data.max_prompt_tokens", "-1"), ("optimizer.lr", "0"),
-    ("optimizer.lr", "nan"), ("optimizer.beta2", "1.0"), ("optimizer.eps", "0"), ("rollout.kv_pool_gib", "0"),
+    ("optimizer.lr", "nan"), ("optimizer.beta2", "1.0"), ("optimizer.eps", "0"), ("rollout.kv_pool_gib", "-1"), ("memory.budget_gib", "-2"),
     ("rollout.max_batch", "0"), ("training.sft_batch_size", "0"), ("training.sft_warmup_steps", "-1"),
     ("checkpoint.interval", "0"), ("checkpoint.keep_latest_k", "-1"), ("metrics.eval_interval", "-5"),
     ("lr_scheduler.min_lr_ratio", "1.5"), ("algorithm.kl_coef", "-0.1"), ("reward.weights", "1.0,inf"),

@@ -1,6 +1,7 @@
 """Phase planner schedules, and the overlapped executor against decomposed-serial execution."""
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -17,7 +18,8 @@ from torchplex.runtime.window import WindowWorker
 
 RTOL = 1e-5
 SHAPE = StepShape(prompt_lengths=(100, 60), group_size=4, max_new_tokens=8, has_reference=True,
-                  vision_trainable=False, kv_bytes_per_token=1000, activation_bytes_per_token=8000)
+                  vision_trainable=False, kv_bytes_per_token=1000, activation_bytes_per_token=8000,
+                  prefix_room_bytes=2**30)
 
 
 def test_serial_schedule_runs_full_forwards_in_order():
@@ -65,8 +67,8 @@ def test_overlapped_schedule_can_score_finished_samples_in_the_window():
         == "main"  # only the overlapped mode moves work
 
 
-def test_planner_does_not_fuse_over_the_activation_budget():
-    s = plan_step(SHAPE, PlanOptions(mode="overlapped", held_activation_budget_bytes=1000))
+def test_planner_does_not_fuse_over_the_room_for_held_prefixes():
+    s = plan_step(dataclasses.replace(SHAPE, prefix_room_bytes=1000), PlanOptions(mode="overlapped"))
     assert not s.has("actor_prefix") and any("not fused" in r for r in s.reasons)
     assert s.phase("train").tokens == 160 + 2 * 4 * 8
 

@@ -19,7 +19,8 @@ from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
 from torchplex.runtime.rollout_weights import SharedRolloutEngine
 
 SHAPE = StepShape(prompt_lengths=(100, 60), group_size=4, max_new_tokens=8, has_reference=True,
-                  vision_trainable=False, kv_bytes_per_token=1000, activation_bytes_per_token=8000)
+                  vision_trainable=False, kv_bytes_per_token=1000, activation_bytes_per_token=8000,
+                  prefix_room_bytes=2**30)
 WINDOW = PlanOptions(mode="overlapped", ref_prefix_in_window=True, ref_suffix_in_window=True)
 NO_HOOKS = RolloutCapabilities(prefill_hook=False, samples_finished_hook=False, step_hook=False,
                                shares_actor_weights=False, why_not="test engine")

@@ -103,7 +103,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 32
-    kv_pool_gib: float = 1.0
+    kv_pool_gib: float = 1.0  # 0 = sized each step from the memory budget (memory.budget_gib): all groups if they fit
     max_batch: int = 256  # sequences decoded concurrently
     # backend "sglang" (rollout/sglang_backend/): a rollout SGLang does not answer within this fails the step
     sglang_timeout_s: float = 600.0
@@ -229,6 +229,9 @@ class ParallelismConfig:
 @dataclass
 class MemoryConfig:
     managed: bool = False
+    # what the step may use on its device; 0 = the device's (CUDA: free + this process's cached blocks; CPU: the
+    # host's memory). Held prefixes and a budget-sized KV pool get what every resident group leaves (docs/memory.md)
+    budget_gib: float = 0.0
 
 
 @dataclass
@@ -408,6 +411,7 @@ _CHECKS = [
     ("algorithm.clip_high", lambda c: c.algorithm.clip_high >= 0, "must be >= 0"),
     ("algorithm.micro_batch_size", lambda c: c.algorithm.micro_batch_size >= 1, "must be >= 1"),
     ("algorithm.ppo_epochs", lambda c: c.algorithm.ppo_epochs >= 1, "must be >= 1 (0 epochs train nothing)"),
+    ("memory.budget_gib", lambda c: c.memory.budget_gib >= 0, "must be >= 0 (0 = the device's memory)"),
     ("reward.weights", lambda c: len(c.reward.weights) == len(c.reward.functions),
      "must have one weight per entry of reward.functions"),
     ("reward.max_failure_fraction", lambda c: 0 <= c.reward.max_failure_fraction <= 1, "must be in [0, 1]"),
@@ -432,7 +436,7 @@ _RANGES = [
     ("data.max_prompt_tokens", lambda v: v >= 1, "must be >= 1"),
     ("data.eval_prompts", lambda v: v >= 0, "must be >= 0"),
     ("rollout.max_new_tokens", lambda v: v >= 1, "must be >= 1"),
-    ("rollout.kv_pool_gib", lambda v: v > 0, "must be > 0"),
+    ("rollout.kv_pool_gib", lambda v: v >= 0, "must be >= 0 (0 = sized from the memory budget)"),
     ("rollout.max_batch", lambda v: v >= 1, "must be >= 1"),
     ("algorithm.kl_coef", lambda v: v >= 0, "must be >= 0 (0 = no reference model)"),
     ("optimizer.lr", lambda v: v > 0, "must be > 0"),

@@ -133,12 +133,18 @@ class RolloutEngine:
         dtype = self.kv_dtype or next(self.model.parameters()).dtype
         max_prompt = -(-max_prompt // PROMPT_BUCKET) * PROMPT_BUCKET  # few pool shapes: few compilations
         pool = self.pool
+        max_groups = max(1, min(num_prompts, self.max_batch // n))
+        # a budget re-sized between rollouts (the runner's memory budget) rebuilds the pool only if it changes how
+        # many groups it holds: each new geometry is a new decode compilation
+        # kv_pool_bytes 0 (rollout.kv_pool_gib 0, before the runner sized it from the memory budget, e.g. an
+        # evaluation before the first step): what this call's groups need
+        budget = self.kv_pool_bytes or max_groups * self.pool_group_bytes(n, max_prompt, max_new)
+        groups = lambda: min(max_groups, budget // pool.bytes_per_group)
         if (pool is None or pool.n != n or pool.max_prompt < max_prompt or pool.max_new != max_new
-                or pool.dtype != dtype):
+                or pool.dtype != dtype or groups() != pool.num_groups):
             self.pool = None  # drop the old tensors before sizing the new ones
-            max_groups = max(1, min(num_prompts, self.max_batch // n))
             pool = GroupKVPool(num_layers=t.num_layers, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, n=n,
-                               max_prompt=max_prompt, max_new=max_new, budget_bytes=self.kv_pool_bytes,
+                               max_prompt=max_prompt, max_new=max_new, budget_bytes=budget,
                                max_groups=max_groups, dtype=dtype, device=self.device)
             self._step_fn = None
         if pool.prefix_k is None:
@@ -146,6 +152,14 @@ class RolloutEngine:
             self._step_fn = None  # new storage: a captured graph must not keep the old addresses
         self.pool = pool
         return pool
+
+    def pool_group_bytes(self, n: int, max_prompt: int, max_new: int) -> int:
+        """KV bytes of one prompt group in this engine's pool (its prompt capacity rounded up as `_pool_for` does):
+        what the memory budget sizes the pool in."""
+        t = self.model.args.text
+        dtype = self.kv_dtype or next(self.model.parameters()).dtype
+        max_prompt = -(-max_prompt // PROMPT_BUCKET) * PROMPT_BUCKET
+        return GroupKVPool.group_bytes(t.num_layers, t.num_kv_heads, t.head_dim, n, max_prompt, max_new, dtype)
 
     def release(self) -> None:
         """Give the KV pool's memory back (between rollouts); the next `generate` takes it again."""

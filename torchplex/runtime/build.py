@@ -26,7 +26,8 @@ def policy_loss_config(cfg: Config) -> PolicyLossConfig:
 def plan_options(cfg: Config) -> PlanOptions:
     r = cfg.runtime
     return PlanOptions(mode=r.mode, ref_prefix_graphs=r.ref_prefix_graphs, ref_prefix_in_window=r.reference_in_window,
-                       ref_suffix_in_window=r.reference_in_window, window_sample_batch=r.window_sample_batch)
+                       ref_suffix_in_window=r.reference_in_window, window_sample_batch=r.window_sample_batch,
+                       memory_budget_bytes=int(cfg.memory.budget_gib * 2**30))
 
 
 def step_settings(cfg: Config) -> StepSettings:
@@ -35,7 +36,8 @@ def step_settings(cfg: Config) -> StepSettings:
                         advantage=a.advantage, dynamic_sampling=a.dynamic_sampling,
                         temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size,
                         ppo_epochs=a.ppo_epochs, grad_clip=cfg.optimizer.grad_clip, loss=policy_loss_config(cfg),
-                        plan=plan_options(cfg), checkpoint_prefix=cfg.runtime.checkpoint_prefix)
+                        plan=plan_options(cfg), checkpoint_prefix=cfg.runtime.checkpoint_prefix,
+                        kv_pool_from_budget=cfg.rollout.kv_pool_gib == 0)
 
 
 def build_memory_manager(runner: StepRunner, device: torch.device, kv_pool_bytes: int) -> MemoryManager:
@@ -63,5 +65,6 @@ def build_step_runtime(cfg: Config, actor, reference, engine, optimizer, lr_sche
     runner = StepRunner(actor, reference, engine, optimizer, lr_scheduler, tokenizer, step_settings(cfg),
                         pad_id=pad_id, dp_size=dp_size, dp_group=dp_group, memory=memory)
     if memory is None and cfg.memory.managed:
-        runner.attach_memory(build_memory_manager(runner, runner.device, int(cfg.rollout.kv_pool_gib * 2**30)))
+        runner.attach_memory(build_memory_manager(runner, runner.device,
+                                                   int(cfg.rollout.kv_pool_gib * 2**30) or engine.kv_pool_bytes))
     return runner

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..data.batching import collate
 from ..models.attention import PrefixState
-from .overlap import PrefixStore
+from .overlap import PrefixStore, merge_prefix_states, prompt_part
 from .prefix_graphs import PrefixGraphs
 from .scoring import ScoreRequest, TokenCounts, _patches, response_scores
 
@@ -69,19 +69,6 @@ class VisionCache:
                 self._store[key] = model.encode_vision(pixels.to(device), grid.to(device))
             self.encodes += 1
         return self._store[key]
-
-
-def merge_prefix_states(states: list[PrefixState]) -> PrefixState:
-    """Stack single-prompt prefix states into one right-padded batch (differentiable)."""
-    if len(states) == 1:
-        return states[0]
-    width = max(int(s.lengths.max()) for s in states)
-    pad = lambda t: F.pad(t, (0, 0, 0, width - t.shape[2]))
-    layers = range(len(states[0].k))
-    return PrefixState([torch.cat([pad(s.k[i]) for s in states]) for i in layers],
-                       [torch.cat([pad(s.v[i]) for s in states]) for i in layers],
-                       torch.cat([s.lengths for s in states]), torch.cat([s.next_position for s in states]),
-                       torch.cat([s.last_hidden for s in states]))
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -199,6 +186,14 @@ class DecomposedScorer:
         held = self.store.take(model, prompts)
         if held is not None:
             return merge_prefix_states(held[0]), batch, held[1]
+        some = self.store.take_some(model, prompts)
+        if some is not None:  # a micro-batch of fused and unfused prompts (the budget fused only some): compute the
+            # rest; merged with batched slices, its prefix backward waits for finish_backward with theirs
+            states, batched = some
+            rest = [p for p, st in zip(prompts, states) if st is None]
+            computed = self._prefix(model, rest)[0]
+            parts = iter([prompt_part(computed, b, len(p.input_ids)) for b, p in enumerate(rest)])
+            return merge_prefix_states([st if st is not None else next(parts) for st in states]), batch, batched
         graphs = self.prefix_graphs.get(id(model))
         if graphs is not None and not torch.is_grad_enabled():
             states = []
@@ -221,16 +216,16 @@ class DecomposedScorer:
         if any(d.reached() for d in self._deferred):
             raise RuntimeError("a loss of an earlier DecomposedScorer.score was backpropagated with loss.backward(); "
                                "use scorer.backward(loss), which also runs the prefix part")
-        computed_before = len(self.store)
+        # prompts whose prefix comes from the store were computed elsewhere (rollout prefill, window): not counted
+        computed = sum(len(p.input_ids) for p in request.prompts if not self.store.has(model, p))
         prefix, batch, batched = self._prefix(model, request.prompts)
-        reused = len(self.store) < computed_before  # the prefix came from the store: computed elsewhere
         if self.split_prefix_backward and torch.is_grad_enabled():
             prefix, deferred = DeferredPrefix.split(prefix)
             if deferred is not None:
                 deferred.batched = batched
                 self._deferred.append(deferred)
         return self._suffix_scores(model, prefix, request, temperature, with_entropy,
-                                   prompt_tokens=0 if reused else int(batch.lengths.sum()))
+                                   prompt_tokens=computed)
 
     @torch.no_grad()
     def score_on_prefix(self, model, prefix: PrefixState, request: ScoreRequest, temperature: float):

@@ -16,7 +16,8 @@ The numbers do not depend on where a phase ran: tests/test_overlap.py holds over
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,6 +26,7 @@ from ..distributed.fsdp import gathered, reshard
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
+from .memory_budget import MemoryBudget, device_capacity, kv_pool_bytes, step_residents
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
 from .overlap import DecodeWindowJobs, PrefixStore, rollout_prefill
 from .phases import Stage
@@ -48,6 +50,7 @@ class StepSettings:
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     plan: PlanOptions = field(default_factory=PlanOptions)
     checkpoint_prefix: bool = False  # activation checkpointing of the prompt prefix forward
+    kv_pool_from_budget: bool = False  # size the engine's KV pool each step from the memory budget (kv_pool_gib 0)
 
 
 @dataclass
@@ -78,6 +81,12 @@ class _Step:
     result: TrainResult | None = None
 
 
+def _local_bytes(params) -> int:
+    """Bytes of these tensors on this rank (a DTensor counts its local shard)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
 class StepRunner:
     def __init__(self, actor, reference, engine, optimizer, lr_scheduler, tokenizer, settings: StepSettings,
                  *, pad_id: int = 0, dp_size: int = 1, dp_group=None, memory=None):
@@ -99,8 +108,14 @@ class StepRunner:
         self.device = next(actor.parameters()).device
         self.window = WindowWorker(self.device)
         # what a fused prefill's graph held per prompt token, measured (overlap.SavedBytes); until the first fused
-        # step, an estimate (8 times the K/V)
+        # step, an estimate (_graph_estimate)
         self._activation_bytes_per_token: float | None = None
+        # likewise for the compact form (overlap.CompactPrefix); until measured, one hidden state per decoder layer
+        # (a trainable tower's block inputs per vision token besides)
+        self._compact_bytes_per_token: float | None = None
+        # what a training stage allocated beyond its entry and the gradients, measured on CUDA (_stage); until
+        # then the budget's estimate (memory_budget)
+        self._train_activation_bytes: int | None = None
 
     def attach_memory(self, memory) -> None:
         if self.settings.plan.ref_prefix_in_window or self.settings.plan.ref_suffix_in_window:
@@ -126,8 +141,31 @@ class StepRunner:
                          max_new_tokens=params.max_new_tokens, has_reference=self.reference is not None,
                          vision_trainable=self._vision_trainable(),
                          ppo_epochs=self.settings.ppo_epochs, kv_bytes_per_token=kv,
-                         activation_bytes_per_token=self._activation_bytes_per_token or kv * 8,
+                         activation_bytes_per_token=self._activation_bytes_per_token or self._graph_estimate(),
+                         compact_bytes_per_token=self._compact_bytes_per_token or self._compact_estimate(),
                          device=self.device.type)
+
+    def _graph_estimate(self) -> float:
+        """Bytes per prompt token a fused prefill's whole graph holds, before it was measured: per decoder layer
+        about 8 hidden-sized and 4 MLP-sized saved tensors (norms, q/k/v, attention output; gate, up, activation,
+        product), a trainable tower's blocks likewise for the 4 patches of a merged token. An overestimate only
+        fuses fewer prompts in the first step (7B: ~6 MiB per token; the H200 measured several MB)."""
+        args, size = self.actor.args, self.actor.output_weight.element_size()
+        layer = lambda hidden, inter: (8 * hidden + 4 * inter) * size
+        text = args.text.num_layers * layer(args.text.hidden_size, args.text.intermediate_size)
+        v = args.vision
+        vision = (v.depth * layer(v.hidden_size, v.intermediate_size) * v.spatial_merge_size ** 2
+                  if self._vision_trainable() else 0)
+        return text + vision
+
+    def _compact_estimate(self) -> float:
+        """Bytes per prompt token the compact form holds, before it was measured: the hidden state entering each
+        decoder layer, and (trainable tower) each vision block's input for the 4 patches a merged token has."""
+        args, size = self.actor.args, self.actor.output_weight.element_size()
+        text = args.text.hidden_size * args.text.num_layers * size
+        v = args.vision
+        vision = v.hidden_size * v.depth * v.spatial_merge_size ** 2 * size if self._vision_trainable() else 0
+        return text + vision
 
     def run(self, prompts: list, answers: list[str], params: SamplingParams, *, sample_seeds=None,
             phase_timer=None) -> StepOutput:
@@ -152,21 +190,83 @@ class StepRunner:
         if id(self.actor) in step.prefixes.graph_bytes:
             nbytes, tokens = step.prefixes.graph_bytes[id(self.actor)]
             self._activation_bytes_per_token = nbytes / tokens
+        if id(self.actor) in step.prefixes.compact_bytes:
+            nbytes, tokens = step.prefixes.compact_bytes[id(self.actor)]
+            self._compact_bytes_per_token = nbytes / tokens
         step.prefixes.clear()  # prefixes of groups dynamic sampling dropped: free their graphs
         if self.memory is not None:
             self.memory.close()
         return StepOutput(step.experience, step.result, schedule, step.timeline, step.prefixes)
 
     def plan(self, prompts: list, params: SamplingParams) -> Schedule:
-        """This step's schedule, for what the engine declares it supports."""
-        return plan_step(self.shape(prompts, params), self.settings.plan, self.engine.capabilities)
+        """This step's schedule, for what the engine declares it supports and what its memory budget leaves for
+        held prefixes (raises memory_budget.BatchTooLargeError, before anything runs, when even the smallest
+        forms do not fit)."""
+        shape = self.shape(prompts, params)
+        budget = self.memory_budget(shape, params)
+        budget.check(f"a step of {len(prompts)} prompts x {params.n} samples of up to {params.max_new_tokens} tokens")
+        schedule = plan_step(replace(shape, prefix_room_bytes=budget.room_bytes), self.settings.plan,
+                             self.engine.capabilities)
+        schedule.memory = budget.to_dict()
+        return schedule
+
+    def memory_budget(self, shape: StepShape, params: SamplingParams) -> MemoryBudget:
+        """The budget (PlanOptions.memory_budget_bytes, else the device's) and every group resident per stage. With
+        kv_pool_from_budget, the engine's KV pool is sized here: what all groups need, as far as the room allows."""
+        nbytes = _local_bytes
+        actor = list(self.actor.parameters())
+        trainable = [p for p in actor if p.requires_grad]
+        ref_bytes = 0
+        if self.reference is not None:  # a frozen tower shared with the actor is the actor's
+            mine = {id(p) for p in actor}
+            ref_bytes = nbytes(p for p in self.reference.parameters() if id(p) not in mine)
+        t = self.actor.args.text
+        mbs, n = self.settings.micro_batch_size, shape.group_size
+        # the training micro-batch: its suffix graphs, the prefix graphs of its (unfused) prompts, fp32 logits
+        rate = shape.activation_bytes_per_token
+        train_act = self._train_activation_bytes
+        if train_act is None:
+            train_act = math.ceil(rate * (mbs * shape.max_new_tokens + math.ceil(mbs / n) * max(shape.prompt_lengths))
+                                  + 4 * mbs * shape.max_new_tokens * t.vocab_size)
+        pool_group = getattr(self.engine, "pool_group_bytes", None)
+        one_group = pool_group(n, max(shape.prompt_lengths), shape.max_new_tokens) if pool_group else 0
+        groups = min(len(shape.prompt_lengths), max(1, getattr(self.engine, "max_batch", n) // n))
+        pool = getattr(self.engine, "kv_pool_bytes", 0)
+        managed = None
+        if self.memory is not None:
+            managed = {row.phase: row.peak_bytes for row in self.memory.plan.phases}
+        capacity = self.settings.plan.memory_budget_bytes or device_capacity(self.device)
+        residents = step_residents(actor_bytes=nbytes(actor), reference_bytes=ref_bytes,
+                                   optimizer_bytes=2 * nbytes(trainable), grad_bytes=nbytes(trainable),
+                                   kv_pool_bytes=0, train_activation_bytes=train_act, managed=managed)
+        budget = MemoryBudget(capacity, residents)
+        if self.settings.kv_pool_from_budget and one_group:
+            pool = kv_pool_bytes(groups * one_group, one_group, budget.stage_bytes("rollout"), budget.usable_bytes)
+            self.engine.kv_pool_bytes = pool
+        if one_group and pool < one_group:
+            pool = one_group  # the engine cannot run with less: counted so the check below names the keys
+        if managed is None:
+            residents["rollout"]["kv_pool"] = pool
+        else:  # the part of a pool sized past what the memory plan was built with (kv_pool_gib 0)
+            planned_pool = sum(g.nbytes for g in self.memory.plan.groups if g.name == "kv_pool")
+            residents["rollout"]["kv_pool"] = max(0, pool - planned_pool)
+        return budget
 
     @contextmanager
     def _stage(self, stage: Stage, timeline: Timeline, phase_timer):
         with timeline.span(stage), (phase_timer.phase(stage) if phase_timer else nullcontext()):
             if self.memory is not None and stage in {row.phase for row in self.memory.plan.phases}:
                 self.memory.enter(stage)  # waits for this stage's groups, starts the next stage's prefetches
+            measure = stage is Stage.TRAIN and self.device.type == "cuda"
+            if measure:  # what training allocates beyond what it found: its activations and the gradients
+                torch.cuda.synchronize(self.device)
+                entry = torch.cuda.memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
             yield
+            if measure:
+                torch.cuda.synchronize(self.device)
+                grads = _local_bytes(p for p in self.actor.parameters() if p.requires_grad)
+                self._train_activation_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - entry - grads)
 
     # ---- the stages ------------------------------------------------------------------------------------------
     def _vision(self, step: _Step) -> None:
@@ -177,7 +277,7 @@ class StepRunner:
         st, schedule = self.settings, step.schedule
         prefill = None
         if schedule.mode != "serial" and self.engine.capabilities.prefill_hook:
-            prefill = rollout_prefill(schedule, self.scorer, self.actor, step.prefixes)
+            prefill = rollout_prefill(schedule, self.scorer, self.actor, step.prefixes, step.prompts)
         jobs = step.window_jobs = DecodeWindowJobs(
             schedule, self.scorer, self.reference, step.prompts, step.params.n, st.plan.sample_batch(step.params.n),
             step.prefixes, self.window, step.timeline, st.temperature, self.device)

@@ -18,9 +18,12 @@ ran (tests/test_overlap.py holds the overlapped step to the decomposed one).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..models.attention import PrefixState
 from .grpo_step import request_from_outputs
@@ -49,6 +52,7 @@ class PrefixStore:
         # id(model) -> (bytes the fused prefills' autograd graphs saved, their prompt tokens): what fusion holds
         # from rollout to training besides the K/V
         self.graph_bytes: dict[int, tuple[int, int]] = {}
+        self.compact_bytes: dict[int, tuple[int, int]] = {}  # likewise for the compact form (CompactPrefix)
 
     def _count(self, model_id: int, delta: int) -> None:
         now = self._kv_bytes.get(model_id, 0) + delta
@@ -86,12 +90,35 @@ class PrefixStore:
         held = [self._pop(k) for k in keys]
         return [state for state, _ in held], any(batched for _, batched in held)
 
+    def take_some(self, model, prompts) -> tuple[list[PrefixState | None], bool] | None:
+        """Like `take` where only some of the prompts are held: their states (None for the others), or None when
+        none is held."""
+        keys = [(id(model), id(p)) for p in prompts]
+        if not any(k in self._held for k in keys):
+            return None
+        self.served += 1
+        held = [self._pop(k) if k in self._held else None for k in keys]
+        return [h[0] if h else None for h in held], any(h[1] for h in held if h)
+
     def clear(self) -> None:
         self._held.clear()
         self._kv_bytes.clear()
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+def merge_prefix_states(states: list[PrefixState]) -> PrefixState:
+    """Stack single-prompt prefix states into one right-padded batch (differentiable)."""
+    if len(states) == 1:
+        return states[0]
+    width = max(int(s.lengths.max()) for s in states)
+    pad = lambda t: F.pad(t, (0, 0, 0, width - t.shape[2]))
+    layers = range(len(states[0].k))
+    return PrefixState([torch.cat([pad(s.k[i]) for s in states]) for i in layers],
+                       [torch.cat([pad(s.v[i]) for s in states]) for i in layers],
+                       torch.cat([s.lengths for s in states]), torch.cat([s.next_position for s in states]),
+                       torch.cat([s.last_hidden for s in states]))
 
 
 def prompt_part(state: PrefixState, b: int, length: int) -> PrefixState:
@@ -119,22 +146,90 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
         return t.detach()  # what autograd keeps: the tensor itself would tie a saved output to its own grad_fn
 
 
-def fused_prefill(scorer, model, store: PrefixStore) -> Callable[[Sequence], PrefixState]:
+_COMPACT_CLASSES: dict[type, type] = {}
+
+
+def _compact_class(cls: type) -> type:
+    """`cls` whose forward, while a CompactPrefix is on the instance and autograd is on, runs under non-reentrant
+    checkpointing and counts the input it keeps (the layer-boundary hidden state)."""
+    if cls not in _COMPACT_CLASSES:
+        def forward(self, x, *args, **kwargs):
+            counter = self.__dict__.get("_compact_prefix")
+            if counter is None or not torch.is_grad_enabled():
+                return cls.forward(self, x, *args, **kwargs)
+            counter.keep(x)
+            return checkpoint(cls.forward, self, x, *args, use_reentrant=False, **kwargs)
+
+        _COMPACT_CLASSES[cls] = type(f"Compact{cls.__name__}", (cls,), {"forward": forward})
+    return _COMPACT_CLASSES[cls]
+
+
+class CompactPrefix:
+    """While active, the model's decoder layers and vision blocks keep only their inputs for backward, which
+    recomputes each from it (PrefixAttention records a layer's K/V once, so the recompute leaves the state as it
+    was). Swaps the blocks' classes and puts them back on exit, so parameter names and every other forward stay
+    as they are; the recompute calls the original forward. `nbytes`: what the kept inputs hold."""
+
+    def __init__(self, model):
+        self.blocks = list(model.layers) + list(getattr(model.visual, "blocks", []))
+        self.nbytes = 0
+        self._seen: set[int] = set()
+
+    def keep(self, x: torch.Tensor) -> None:
+        x = x.to_local() if hasattr(x, "to_local") else x  # a DTensor: this rank's shard
+        key = x.untyped_storage().data_ptr()
+        if x.requires_grad and key not in self._seen:  # an input without grad (frozen tower) is not kept for backward
+            self._seen.add(key)
+            self.nbytes += x.untyped_storage().nbytes()
+
+    def __enter__(self):
+        self._classes = [type(b) for b in self.blocks]
+        for b, cls in zip(self.blocks, self._classes):
+            b.__dict__["_compact_prefix"] = self
+            b.__class__ = _compact_class(cls)
+        return self
+
+    def __exit__(self, *exc):
+        for b, cls in zip(self.blocks, self._classes):
+            b.__class__ = cls
+            b.__dict__.pop("_compact_prefix", None)
+
+
+def fused_prefill(scorer, model, store: PrefixStore, forms: dict[int, str] | None = None
+                  ) -> Callable[[Sequence], PrefixState]:
     """A rollout prefill that keeps autograd and holds each prompt's part in `store` for the first training epoch
     (the engine gets the detached state). `scorer` is the step's DecomposedScorer: its prefix reads the frozen
-    tower's cached encodings, and it takes the held parts back when training scores the prompts."""
+    tower's cached encodings, and it takes the held parts back when training scores the prompts. `forms`: id of
+    each prompt -> its holding form from the schedule (memory_budget: "graph", "compact", "none"; None: all
+    graph). The prompts of one prefill run as one batch per form, so an unfused prompt keeps no graph."""
 
     def prefill(prompts):
+        by_form: dict[str, list] = {}
+        for p in prompts:
+            by_form.setdefault("graph" if forms is None else forms.get(id(p), "none"), []).append(p)
+        states = {form: _run(form, ps) for form, ps in by_form.items()}
+        if len(states) == 1:
+            return next(iter(states.values()))
+        parts = {id(p): prompt_part(states[form], b, len(p.input_ids))
+                 for form, ps in by_form.items() for b, p in enumerate(ps)}
+        return merge_prefix_states([parts[id(p)] for p in prompts])  # the engine's order: its slots follow it
+
+    def _run(form, prompts):
+        if form == "none":
+            with torch.no_grad():
+                return scorer.prefix(model, prompts)[0]
         saved = SavedBytes(model)
+        compact = CompactPrefix(model) if form == "compact" else nullcontext()
         with torch.enable_grad():  # the parts too: a view made under no_grad would cut them from the graph
-            with saved:
+            with saved, compact:
                 state = scorer.prefix(model, prompts)[0]
             for b, p in enumerate(prompts):
                 part = state if len(prompts) == 1 else prompt_part(state, b, len(p.input_ids))
                 store.put(model, p, part, batched=len(prompts) > 1)
         tokens = sum(len(p.input_ids) for p in prompts)
-        held, held_tokens = store.graph_bytes.get(id(model), (0, 0))
-        store.graph_bytes[id(model)] = (held + saved.nbytes, held_tokens + tokens)
+        counts = store.graph_bytes if form == "graph" else store.compact_bytes
+        held, held_tokens = counts.get(id(model), (0, 0))
+        counts[id(model)] = (held + saved.nbytes + getattr(compact, "nbytes", 0), held_tokens + tokens)
         scorer.counts.add(TokenCounts(prefix_tokens=tokens))
         return state.detach()
 
@@ -149,11 +244,12 @@ def hold_prefix(scorer, model, prompt, store: PrefixStore) -> None:
     scorer.counts.add(TokenCounts(prefix_tokens=len(prompt.input_ids)))
 
 
-def rollout_prefill(schedule: Schedule, scorer, actor, store: PrefixStore):
+def rollout_prefill(schedule: Schedule, scorer, actor, store: PrefixStore, prompts: Sequence):
     """The prefill the schedule gives the engine: fused (autograd kept, held for training) where the actor prefix
-    is placed in the rollout, else the scorer's no-grad prefill (the frozen tower's one encoding serves rollout)."""
+    is placed in the rollout (for the prompts the schedule fuses), else the scorer's no-grad prefill (the frozen
+    tower's one encoding serves rollout)."""
     if schedule.placed(PhaseName.ACTOR_PREFIX, fused_into(PhaseName.ROLLOUT)):
-        return fused_prefill(scorer, actor, store)
+        return fused_prefill(scorer, actor, store, {id(prompts[c.prompt]): c.form for c in schedule.prefix_forms})
     return scorer.rollout_prefill(actor)
 
 

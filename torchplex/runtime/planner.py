@@ -22,6 +22,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from ..rollout.protocol import RolloutCapabilities
+from .memory_budget import COMPACT, GRAPH, NONE, PrefixChoice, choose_prefix_forms
 from .phases import FUSED, MAIN, WINDOW, PhaseName, Stage, fused_into, stage_of, window_of
 
 
@@ -37,6 +38,11 @@ class StepShape:
     ppo_epochs: int = 1
     kv_bytes_per_token: int = 0             # K+V over all layers, one token, one model
     activation_bytes_per_token: float = 0   # what a prefix forward with autograd holds per token
+    # what held prefix state may take from the rollout to training (memory_budget.MemoryBudget.room_bytes): the
+    # budget less every resident group of the fullest stage; 0 holds nothing
+    prefix_room_bytes: int = 0
+    # what the compact form (overlap.CompactPrefix: layer-boundary hidden states) holds per prompt token; 0: none
+    compact_bytes_per_token: float = 0
     device: str = "cpu"
 
     @property
@@ -59,7 +65,9 @@ class PlanOptions:
     # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket, captured on CUDA
     # (runtime/prefix_graphs.py): an eager prefix is host-bound (3B, 987 tokens: ~0.17 s of host time on the H200).
     ref_prefix_graphs: bool = False
-    held_activation_budget_bytes: int = 2**62     # fusion holds prefix activations across the rollout
+    # the step's memory budget (memory.budget_gib); 0: the device's (memory_budget.device_capacity). What held
+    # prefixes may take is computed from it by the runner (StepShape.prefix_room_bytes)
+    memory_budget_bytes: int = 0
 
     def sample_batch(self, group_size: int) -> int:
         """Finished samples of a prompt per reference window job."""
@@ -97,6 +105,12 @@ class Schedule:
     mode: str
     phases: list[Phase] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)  # why the planner placed things where it did
+    prefix_forms: list[PrefixChoice] = field(default_factory=list)  # how each prompt's actor prefix is held
+    memory: dict = field(default_factory=dict)  # the budget it was planned from (MemoryBudget.to_dict), if any
+
+    def fused_prompts(self) -> list[int]:
+        """Prompts whose actor prefix the rollout prefill keeps for training (whole graph or compact)."""
+        return [c.prompt for c in self.prefix_forms if c.form != NONE]
 
     def phase(self, name: str) -> Phase:
         for p in self.phases:
@@ -134,11 +148,16 @@ class Schedule:
             lines.append(f"{p.name:<16}{p.placement:<24}{','.join(p.depends_on) or '-':<34}{p.tokens:>9}"
                          f"{p.holds_bytes / 2**20:>11.1f}" + (f"  {p.note}" if p.note else ""))
         lines += [f"  - {r}" for r in self.reasons]
+        if self.prefix_forms:
+            forms = [c.form for c in self.prefix_forms]
+            lines.append(f"  actor prefixes: " + ", ".join(f"{forms.count(f)} {f}" for f in sorted(set(forms)))
+                         + f", {sum(c.bytes for c in self.prefix_forms) / 2**20:.1f} MiB held")
         return "\n".join(lines)
 
     def to_json(self) -> str:
         phases = [{**asdict(p), "stage": p.stage} for p in self.phases]
-        return json.dumps({"mode": self.mode, "phases": phases, "reasons": self.reasons}, indent=2)
+        return json.dumps({"mode": self.mode, "phases": phases, "reasons": self.reasons,
+                           "prefix_forms": [asdict(c) for c in self.prefix_forms], "memory": self.memory}, indent=2)
 
 
 def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabilities = RolloutCapabilities()
@@ -163,16 +182,28 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
         raise ValueError(f"runtime.mode must be serial, decomposed or overlapped, got {options.mode!r}")
     s = Schedule(options.mode)
     overlapped = options.mode == "overlapped"
-    held = round(shape.activation_bytes_per_token * P)
     fuse = overlapped and options.fuse_actor_prefix
+    why_not = "decomposed mode" if not overlapped else "fuse_actor_prefix off"
     if fuse and not (rollout.prefill_hook and rollout.shares_actor_weights):
         fuse = False
         missing = _missing(rollout, "prefill_hook", "shares_actor_weights")
-        s.reasons.append(f"actor prefix not fused: the rollout engine {missing} ({rollout.why_not})")
-    if fuse and held > options.held_activation_budget_bytes:
-        fuse = False
-        s.reasons.append(f"actor prefix not fused: holding its activations across rollout needs "
-                         f"{held / 2**30:.2f} GiB, over the {options.held_activation_budget_bytes / 2**30:.2f} GiB budget")
+        why_not = f"the rollout engine {missing} ({rollout.why_not})"
+        s.reasons.append(f"actor prefix not fused: {why_not}")
+    s.prefix_forms = choose_prefix_forms(shape.prompt_lengths, shape.activation_bytes_per_token,
+                                         shape.prefix_room_bytes, fusable=fuse, why_not=why_not,
+                                         compact_bytes_per_token=shape.compact_bytes_per_token)
+    fused = s.fused_prompts()
+    # each form's prompts as one (rounded once: a measured rate times their tokens is what they held)
+    tokens_of = lambda form: sum(c.tokens for c in s.prefix_forms if c.form == form)
+    held = (round(shape.activation_bytes_per_token * tokens_of(GRAPH))
+            + round(shape.compact_bytes_per_token * tokens_of(COMPACT)))
+    if fuse and len(fused) < len(shape.prompt_lengths):
+        s.reasons.append((f"actor prefix fused for {len(fused)} of {len(shape.prompt_lengths)} prompts" if fused
+                          else "actor prefix not fused") + ": the room for "
+                         f"held prefixes is {shape.prefix_room_bytes / 2**30:.2f} GiB at "
+                         f"{shape.activation_bytes_per_token / 2**20:.2f} MiB per token of graph; the others are "
+                         f"computed in training")
+    fuse = bool(fused)
     suffix_window = overlapped and options.ref_suffix_in_window and shape.has_reference
     # the window scores samples on their prompt's reference prefix, so it computes that prefix too
     window = suffix_window or (overlapped and options.ref_prefix_in_window and shape.has_reference)
@@ -192,7 +223,8 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
                           tokens=P + R, note="prefill with autograd kept" if fuse else ""))
     if fuse:
         s.phases.append(Phase(PhaseName.ACTOR_PREFIX, placement=fused_into(PhaseName.ROLLOUT), depends_on=("rollout",),
-                              holds_bytes=held, tokens=0, note="epoch 0 reuses the rollout prefill's graph"))
+                              holds_bytes=held, tokens=0,
+                              note=f"epoch 0 reuses the rollout prefill's graph ({len(fused)} prompts)"))
         s.reasons.append("actor prefix fused into the rollout prefill: same forward on the same weights θk, so "
                          "training runs no separate prefix forward in epoch 0")
     if shape.has_reference:
@@ -220,7 +252,8 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
         else:
             s.phases.append(Phase(PhaseName.REF_SUFFIX, depends_on=("rollout", "ref_prefix"), tokens=R))
     train_deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ()) + (("actor_prefix",) if fuse else ())
-    prefix_tokens = (shape.ppo_epochs - 1) * P if fuse else shape.ppo_epochs * P
+    fused_tokens = sum(shape.prompt_lengths[i] for i in fused)
+    prefix_tokens = shape.ppo_epochs * P - fused_tokens
     s.phases.append(Phase(PhaseName.TRAIN, depends_on=train_deps, tokens=prefix_tokens + shape.ppo_epochs * R,
                           note=f"{shape.ppo_epochs} epoch(s); the prefix is recomputed after each optimizer step"))
     s.validate()

@@ -1,0 +1,269 @@
+"""Whole GRPO steps at real batch sizes: a list of prompts-per-step values x modes in one process.
+
+    python benchmarks/scale_bench.py --workload img --prompts 8,32,64 --dtype bfloat16 --geometry 7B    # H200
+    python benchmarks/scale_bench.py --workload vid --prompts 4,16 --modes decomposed,overlapped ...
+    python benchmarks/scale_bench.py --geometry debug --prompt-tokens 32 --response 4 --prompts 1,2      # CPU
+
+The workloads of ../shared/WORKLOADS.md (`img`, `vid`, `img-small`) on step_bench's models and prompts, each mode
+built by the trainer's builder (runtime/build.py) from step_bench's Config. Every (P, mode) is a row of
+benchmarks/results/scale-YYYYMMDD-<short>.json (topic "scale", ../shared/RESULTS.md): step time (median of the timed
+steps after a warm-up), phases, peak allocated GiB (CPU: the process's peak RSS), samples, tokens, and the step's
+memory plan against what it held (planned bytes per group and stage, the prefix forms chosen, the KV pool and held
+graph measured). A row that runs out of memory or fails is `ok: false` with the error's first line, and the script
+goes on; a mode whose step passed --max-step-s is not run at larger P (its row says why). --plot draws step time
+and seconds per sample against P per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_runtime import bench_config  # noqa: E402
+from benchmarks.step_bench import NullTokenizer, bench_flavor, build, long_tail_stops, make_prompt, sync  # noqa: E402
+from torchplex.components.metrics import PhaseTimer  # noqa: E402
+from torchplex.rollout.engine import RolloutEngine  # noqa: E402
+from torchplex.rollout.sampling import SamplingParams  # noqa: E402
+from torchplex.runtime.build import build_step_runtime  # noqa: E402
+
+# ../shared/WORKLOADS.md: prompt tokens, (frames, side) of a video prompt, mean response, response cap
+WORKLOADS = {"img": dict(prompt_tokens=1024, video=None, mean_response=256, response=1024),
+             "vid": dict(prompt_tokens=0, video=(32, 448), mean_response=256, response=1024),
+             "img-small": dict(prompt_tokens=1024, video=None, mean_response=128, response=512)}
+MODES = ("serial", "decomposed", "overlapped")
+STAGES = ("vision", "rollout", "ref", "train")
+
+
+def make_video_prompt(args, frames: int, side_px: int, seed: int):
+    """A few text tokens, one video of `frames` frames of side_px x side_px (16 temporal grids x 256 merged patches
+    for 32 x 448), a question."""
+    v = args.vision
+    t, side = frames // v.temporal_patch_size, side_px // v.patch_size
+    g = torch.Generator().manual_seed(seed)
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    text = lambda n: torch.randint(10, 1000, (n,), generator=g).tolist()
+    merged = t * side * side // v.spatial_merge_size ** 2
+    ids = (text(12) + [args.vision_start_token_id] + [args.video_token_id] * merged + [args.vision_end_token_id]
+           + text(12))
+    return SimpleNamespace(input_ids=torch.tensor(ids), pixel_values=None, image_grid_thw=None,
+                           pixel_values_videos=torch.randn(t * side * side, patch_dim, generator=g),
+                           video_grid_thw=torch.tensor([[t, side, side]]), second_per_grid_ts=torch.tensor([1.0]))
+
+
+def workload_prompts(args, a, count: int) -> list:
+    if a.video:
+        return [make_video_prompt(args, a.video[0], a.video[1], seed=i) for i in range(count)]
+    return [make_prompt(args, a.prompt_tokens, seed=i) for i in range(count)]
+
+
+def memory_record(out, runner, engine, phase_timer: PhaseTimer) -> dict:
+    """The step's planned bytes (per stage and group, the room for held prefixes, each prompt's form) beside what
+    it held: weights, optimizer state, the KV pool, the fused graphs and compact prefixes, the reference prefixes'
+    K/V, each stage's peak."""
+    s = out.schedule
+    tensor_bytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
+    # AdamW's moments, not its 0-dim "step" counters
+    state = [t for st in runner.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
+    forms = [c.form for c in s.prefix_forms]
+    return {"planned": {"capacity_bytes": s.memory.get("capacity_bytes", 0),
+                        "room_bytes": s.memory.get("room_bytes", 0), "residents": s.memory.get("residents", {}),
+                        "held_graph_bytes": sum(c.bytes for c in s.prefix_forms),
+                        "forms": {f: forms.count(f) for f in sorted(set(forms))}},
+            "measured": {"actor_weights_bytes": tensor_bytes(runner.actor.parameters()),
+                         "optimizer_state_bytes": tensor_bytes(state),
+                         "kv_pool_bytes": engine.stats.pool_bytes,
+                         "held_graph_bytes": sum(b for b, _ in out.prefixes.graph_bytes.values()),
+                         "held_compact_bytes": sum(b for b, _ in out.prefixes.compact_bytes.values()),
+                         "ref_prefix_kv_peak_bytes": max(out.prefixes.peak_kv_bytes.values(), default=0),
+                         "stage_peak_bytes": dict(phase_timer.peak_bytes)}}
+
+
+def run_row(a, mode: str, P: int, runner, engine, prompts, params, device) -> dict:
+    row = {"workload": a.workload, "geometry": a.geometry, "prompts": P, "group": a.group, "mode": mode,
+           "step_s": 0.0, "phases_s": {}, "peak_gib": 0.0, "samples": P * a.group, "tokens": 0, "ok": True,
+           "error": ""}
+    steps, phases, peak, out, timer = [], {k: [] for k in STAGES}, 0, None, PhaseTimer(device)
+    for rep in range(a.repeats + 1):  # the first step warms up allocators, compilations and the measured rate
+        timer.reset()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        out = runner.run(prompts, [""] * P, params, phase_timer=timer)
+        sync(device)
+        step_s = time.perf_counter() - t
+        print(f"[scale_bench {time.strftime('%H:%M:%S')}] {a.workload} P={P} {mode} {'timed' if rep else 'warm-up'} "
+              f"step {step_s:.2f}s", flush=True)
+        peak = max(peak, max(timer.peak_bytes.values(), default=0))
+        if rep or not a.repeats:
+            steps.append(step_s)
+            for k in STAGES:
+                phases[k].append(out.timeline.total_s(k))
+    exp = out.experience
+    row.update(step_s=statistics.median(steps), peak_gib=peak / 2**30,
+               phases_s={k: statistics.median(v) for k, v in phases.items() if any(v)},
+               tokens=int(exp.lengths.sum()) + sum(len(p.input_ids) for p in prompts) * a.group,
+               response_tokens=int(exp.lengths.sum()), memory=memory_record(out, runner, engine, timer))
+    row["s_per_sample"] = row["step_s"] / row["samples"]
+    return row
+
+
+def failed_row(a, mode: str, P: int, error: str) -> dict:
+    return {"workload": a.workload, "geometry": a.geometry, "prompts": P, "group": a.group, "mode": mode,
+            "step_s": 0.0, "phases_s": {}, "peak_gib": 0.0, "samples": P * a.group, "tokens": 0, "ok": False,
+            "error": error}
+
+
+def draw(rows: list[dict], path: Path, title: str) -> Path:
+    """Step time and seconds per sample against P, one line per mode (the rows that ran)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        ok = sorted((r for r in rows if r["mode"] == mode and r["ok"]), key=lambda r: r["prompts"])
+        if ok:
+            P = [r["prompts"] for r in ok]
+            left.plot(P, [r["step_s"] for r in ok], marker="o", label=mode)
+            right.plot(P, [r["step_s"] / r["samples"] for r in ok], marker="o", label=mode)
+    left.set(xlabel="prompts per step P", ylabel="step time (s)", title="step time")
+    right.set(xlabel="prompts per step P", ylabel="seconds per sample", title="cost per sample")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        if ax.get_lines():  # every row failed: an empty chart, no legend
+            ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="img", choices=sorted(WORKLOADS))
+    ap.add_argument("--prompts", default="8,32,64", help="comma-separated prompts per step")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    ap.add_argument("--geometry", default="7B")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="image prompts of this size instead of the workload's")
+    ap.add_argument("--video", default="", help="FRAMES,SIDE: video prompts of this size instead of the workload's")
+    ap.add_argument("--response", type=int, default=0, help="response cap instead of the workload's")
+    ap.add_argument("--mean-response", type=int, default=-1,
+                    help="mean response instead of the workload's (0: no stops)")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2, help="timed steps after the warm-up (0: the one step is timed)")
+    ap.add_argument("--memory-budget-gib", type=float, default=0.0, help="memory.budget_gib (0: the device's)")
+    ap.add_argument("--kv-pool-gib", type=float, default=0.0, help="rollout.kv_pool_gib (0: sized from the budget)")
+    ap.add_argument("--managed", action="store_true", help="memory.managed: offload groups between stages")
+    ap.add_argument("--freeze-vision", action="store_true")
+    ap.add_argument("--max-step-s", type=float, default=240.0, help="a mode past this is not run at larger P")
+    ap.add_argument("--out", default="", help="results JSON (default benchmarks/results/scale-DATE-<workload>.json)")
+    ap.add_argument("--plot", default="",
+                    help="PNG of step time and s/sample vs P (default docs/img/scale-<workload>.png)")
+    a = ap.parse_args(argv)
+    w = WORKLOADS[a.workload]
+    a.video = (tuple(int(x) for x in a.video.split(",")) if a.video
+               else None if a.prompt_tokens else w["video"])
+    a.prompt_tokens = a.prompt_tokens or w["prompt_tokens"]
+    a.response = a.response or w["response"]
+    a.mean_response = w["mean_response"] if a.mean_response < 0 else a.mean_response
+    a.prompt_list = [int(x) for x in a.prompts.split(",") if x]
+    a.mode_list = [m for m in a.modes.split(",") if m]
+    unknown = set(a.mode_list) - set(MODES)
+    if unknown:
+        ap.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    args = bench_flavor(a.geometry)
+    actor = build(args, dtype, device, 0)
+    reference = build(args, dtype, device, 1).eval().requires_grad_(False)
+    if a.freeze_vision:
+        actor.visual.requires_grad_(False)
+        reference.visual = actor.visual
+    # lr 0: AdamW does all its work but leaves the weights, so every row samples from the same policy
+    optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=0.0,
+                                  foreach=device.type != "cuda", fused=device.type == "cuda")
+    engine = RolloutEngine(actor, kv_pool_bytes=int(a.kv_pool_gib * 2**30), compile_decode=device.type == "cuda",
+                           max_batch=max(a.prompt_list) * a.group)
+    params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0,
+                            stop_token_ids=long_tail_stops(args.text.vocab_size, a.mean_response))
+    rows, stopped = [], {}
+    for P in a.prompt_list:
+        prompts = workload_prompts(args, a, P)
+        for mode in a.mode_list:
+            if mode in stopped:
+                rows.append(failed_row(a, mode, P, stopped[mode]))
+                continue
+            cfg = bench_config(mode, micro_batch=a.micro_batch)
+            cfg.rollout.kv_pool_gib, cfg.memory.budget_gib, cfg.memory.managed = (a.kv_pool_gib, a.memory_budget_gib,
+                                                                                  a.managed)
+            runner = None
+            try:
+                runner = build_step_runtime(cfg, actor, reference, engine, optimizer, None, NullTokenizer())
+                row = run_row(a, mode, P, runner, engine, prompts, params, device)
+                if row["step_s"] > a.max_step_s:
+                    stopped[mode] = (f"skipped: the step at P={P} took {row['step_s']:.0f} s > --max-step-s "
+                                     f"{a.max_step_s:.0f}")
+            except Exception as e:  # out of memory included: the row says so and the next one runs
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                row = failed_row(a, mode, P, f"{type(e).__name__}: {first}")
+                print(f"[scale_bench] {a.workload} P={P} {mode} failed:\n{traceback.format_exc(limit=3)}", flush=True)
+            finally:
+                if runner is not None:
+                    runner.window.close()
+                    if runner.memory is not None:
+                        runner.memory.close()
+                engine.release()
+                optimizer.zero_grad(set_to_none=True)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            rows.append(row)
+    result = {"topic": "scale", "command": "python benchmarks/scale_bench.py " + " ".join(argv or sys.argv[1:]),
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "gpus": 1 if device.type == "cuda" else 0, "torch": torch.__version__,
+              "transformers": _transformers_version(), "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+              "rows": rows}
+    out = Path(a.out or f"benchmarks/results/scale-{time.strftime('%Y%m%d', time.gmtime())}-{a.workload}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot = Path(a.plot or f"docs/img/scale-{a.workload}.png")
+    draw(rows, plot, f"{a.workload}, {a.geometry}, G={a.group} ({result['device']})")
+    for r in rows:
+        print(f"{r['workload']:<10}P={r['prompts']:<4}{r['mode']:<12}"
+              + (f"{r['step_s']:8.2f} s {r['s_per_sample']:.3f} s/sample peak {r['peak_gib']:.1f} GiB" if r["ok"]
+                 else f"FAILED {r['error']}"))
+    print(f"wrote {out} and {plot}")
+    return result
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers
+        return transformers.__version__
+    except ImportError:
+        return ""
+
+
+if __name__ == "__main__":
+    main()

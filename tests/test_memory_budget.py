@@ -1,0 +1,269 @@
+"""The memory budget decides how each prompt's actor prefix is held (runtime/memory_budget.py), the executor runs
+the mixed plan with the serial step's numbers, the KV pool is sized from the same budget, and a step that cannot
+fit fails before it runs, naming the config keys."""
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from torchplex.rl.losses import PolicyLossConfig
+from torchplex.rollout.engine import RolloutEngine
+from torchplex.rollout.sampling import SamplingParams
+from torchplex.runtime.executor import StepRunner, StepSettings
+from torchplex.runtime.memory_budget import (COMPACT, FIT_KEYS, GRAPH, HEADROOM, NONE, BatchTooLargeError, MemoryBudget,
+                                             choose_prefix_forms, kv_pool_bytes, step_residents)
+from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
+
+RTOL = 1e-5
+SHAPE = StepShape(prompt_lengths=(100, 60, 100), group_size=4, max_new_tokens=8, kv_bytes_per_token=1000,
+                  activation_bytes_per_token=8000)  # graphs: 800,000 / 480,000 / 800,000 bytes
+
+
+@pytest.mark.parametrize("room,forms", [
+    (0, [NONE, NONE, NONE]),
+    (480_000, [NONE, NONE, NONE]),                 # admission order: the first prompt's graph does not fit
+    (800_000, [GRAPH, NONE, NONE]),
+    (1_280_000, [GRAPH, GRAPH, NONE]),
+    (2_080_000, [GRAPH, GRAPH, GRAPH]),
+])
+def test_planner_holds_whole_graphs_for_the_prompts_that_fit(room, forms):
+    """The planner's per-prompt choices at given rooms, as data: forms, bytes, and the held phase's total."""
+    s = plan_step(dataclasses.replace(SHAPE, prefix_room_bytes=room), PlanOptions(mode="overlapped"))
+    assert [c.form for c in s.prefix_forms] == forms
+    assert [c.bytes for c in s.prefix_forms] == [8000 * L if f == GRAPH else 0
+                                                 for L, f in zip(SHAPE.prompt_lengths, forms)]
+    assert all(c.reason for c in s.prefix_forms)
+    fused_tokens = sum(L for L, f in zip(SHAPE.prompt_lengths, forms) if f == GRAPH)
+    assert s.has("actor_prefix") == bool(fused_tokens)
+    if fused_tokens:
+        assert s.phase("actor_prefix").holds_bytes == 8000 * fused_tokens
+    assert s.phase("train").tokens == 260 - fused_tokens + 3 * 4 * 8  # the unfused prefixes are computed there
+    assert '"prefix_forms"' in s.to_json()
+
+
+# compact: 2,000 bytes per token (100 / 60 / 100 tokens: 200,000 / 120,000 / 200,000); graph 8,000
+@pytest.mark.parametrize("room,forms", [
+    (199_999, [NONE, NONE, NONE]),
+    (200_000, [COMPACT, NONE, NONE]),
+    (520_000, [COMPACT, COMPACT, COMPACT]),        # every prompt compact before any graph
+    (1_119_999, [COMPACT, COMPACT, COMPACT]),
+    (1_120_000, [GRAPH, COMPACT, COMPACT]),        # one graph while the others still fit compact
+    (1_480_000, [GRAPH, GRAPH, COMPACT]),
+    (2_080_000, [GRAPH, GRAPH, GRAPH]),
+])
+def test_planner_holds_the_rest_compact(room, forms):
+    shape = dataclasses.replace(SHAPE, prefix_room_bytes=room, compact_bytes_per_token=2000)
+    s = plan_step(shape, PlanOptions(mode="overlapped"))
+    assert [c.form for c in s.prefix_forms] == forms
+    rate = {GRAPH: 8000, COMPACT: 2000, NONE: 0}
+    assert [c.bytes for c in s.prefix_forms] == [rate[f] * L for L, f in zip(SHAPE.prompt_lengths, forms)]
+    assert sum(c.bytes for c in s.prefix_forms) <= room
+    if s.has("actor_prefix"):
+        assert s.phase("actor_prefix").holds_bytes == sum(c.bytes for c in s.prefix_forms)
+
+
+def test_decomposed_mode_holds_no_graph_whatever_the_room():
+    s = plan_step(dataclasses.replace(SHAPE, prefix_room_bytes=2**40), PlanOptions(mode="decomposed"))
+    assert [c.form for c in s.prefix_forms] == [NONE] * 3 and not s.has("actor_prefix")
+
+
+def test_room_is_the_budget_less_the_fullest_stage():
+    residents = step_residents(actor_bytes=100, reference_bytes=100, optimizer_bytes=200, grad_bytes=100,
+                               kv_pool_bytes=300, train_activation_bytes=50)
+    budget = MemoryBudget(2000, residents)
+    assert budget.stage_bytes("rollout") == 700 and budget.stage_bytes("train") == 550
+    assert budget.room_bytes == int(2000 * (1 - HEADROOM)) - 700
+    budget.check()
+    with pytest.raises(BatchTooLargeError) as e:
+        MemoryBudget(600, residents).check()
+    assert "rollout stage" in str(e.value) and all(k in str(e.value) for k in FIT_KEYS)
+
+
+def test_kv_pool_sized_from_the_budget():
+    assert kv_pool_bytes(1000, 100, 500, 2000) == 1000          # every group at once
+    assert kv_pool_bytes(1000, 100, 1500, 2000) == 500          # what the room allows: groups admitted in turn
+    assert kv_pool_bytes(1000, 100, 1950, 2000) == 100          # at least one group (check() then says it fails)
+    assert kv_pool_bytes(1000, 100, 500, 2000, configured_bytes=300) == 300
+
+
+def test_512_samples_at_7b_fit_one_h200_by_the_plan():
+    """64 prompts x 8 samples, ~1,050-token prompts, responses to 1,024 tokens, 7B with its reference, AdamW
+    state and gradients all resident (no memory management): the KV pool for every group at once fits an H200
+    (139 GiB visible) beside them, by the same arithmetic the runner uses."""
+    from torchplex.models.qwen2_5_vl.args import get_flavor
+    from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel
+    from torchplex.rollout.kv_pool import GroupKVPool
+    from torchplex.rollout.engine import PROMPT_BUCKET
+
+    args = get_flavor("7B")
+    with torch.device("meta"):
+        model = Qwen2_5_VLModel(args)
+    weights = sum(p.numel() for p in model.parameters()) * 2  # bf16
+    t = args.text
+    group = GroupKVPool.group_bytes(t.num_layers, t.num_kv_heads, t.head_dim, 8,
+                                    math.ceil(1050 / PROMPT_BUCKET) * PROMPT_BUCKET, 1024, torch.bfloat16)
+    need_all = 64 * group
+    capacity = 139 * 2**30
+    residents = step_residents(actor_bytes=weights, reference_bytes=weights, optimizer_bytes=2 * weights,
+                               grad_bytes=weights, kv_pool_bytes=0, train_activation_bytes=0)
+    budget = MemoryBudget(capacity, residents)
+    pool = kv_pool_bytes(need_all, group, budget.stage_bytes("rollout"), budget.usable_bytes)
+    assert pool == need_all and 30 * 2**30 < pool < 36 * 2**30  # 64 x (1,280 + 8 x 1,024) x 56 KiB
+    residents["rollout"]["kv_pool"] = pool
+    budget.check()
+
+
+# ---- the executor on CPU -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def setup(grpo_assets):
+    return grpo_assets.processor, grpo_assets.prompts, grpo_assets.actor, grpo_assets.reference
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps a copy of every gradient it steps on (the step's gradients, compared across modes)."""
+
+    def step(self, closure=None):
+        self.grads = [p.grad.clone() for g in self.param_groups for p in g["params"]]
+        return super().step(closure)
+
+
+def runner_for(setup, mode, budget=0, micro_batch=8, kv_pool=16 * 2**20, from_budget=False):
+    processor, prompts, base, reference = setup
+    actor = copy.deepcopy(base)
+    engine = RolloutEngine(actor, kv_pool_bytes=kv_pool)
+    optimizer = RecordingSGD([p for p in actor.parameters() if p.requires_grad], lr=0.1)
+    settings = StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=micro_batch,
+                            grad_clip=1e9, loss=PolicyLossConfig(kl_coef=0.1), kv_pool_from_budget=from_budget,
+                            plan=PlanOptions(mode=mode, memory_budget_bytes=budget))
+    return StepRunner(actor, copy.deepcopy(reference), engine, optimizer, None, processor.tokenizer, settings)
+
+
+PARAMS = dict(n=4, max_new_tokens=6, seed=3)
+
+
+def params_for(setup):
+    return SamplingParams(stop_token_ids=[setup[0].tokenizer.convert_tokens_to_ids("<|im_end|>")], **PARAMS)
+
+
+def step(runner, setup):
+    prompts = setup[1]
+    return runner.run(prompts, [""] * len(prompts), params_for(setup))
+
+
+def budget_for_room(setup, room: int) -> int:
+    """The budget whose room for held prefixes is `room` bytes at this setup's first step."""
+    runner = runner_for(setup, "overlapped", budget=2**40)
+    shape = runner.shape(setup[1], params_for(setup))
+    full = runner.memory_budget(shape, params_for(setup))
+    peak = max(full.stage_bytes(s) for s in ("rollout", "ref", "train"))
+    return math.ceil((peak + room) / (1 - HEADROOM)) + 1
+
+
+def form_bytes(setup) -> dict[str, list[int]]:
+    """Per prompt, what each holding form takes at this setup's first step (the runner's estimates)."""
+    runner = runner_for(setup, "overlapped", budget=2**40)
+    shape = runner.shape(setup[1], params_for(setup))
+    return {GRAPH: [math.ceil(shape.activation_bytes_per_token * L) for L in shape.prompt_lengths],
+            COMPACT: [math.ceil(shape.compact_bytes_per_token * L) for L in shape.prompt_lengths]}
+
+
+@pytest.fixture(scope="module")
+def serial(setup):
+    runner = runner_for(setup, "serial", budget=2**40)
+    return step(runner, setup), runner.optimizer.grads
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+HOLDINGS = {"graph": [GRAPH] * 3, "none": [NONE] * 3, "compact": [COMPACT] * 3,
+            "graph+compact": [GRAPH, COMPACT, COMPACT], "compact+none": [COMPACT, NONE, NONE]}
+
+
+@pytest.mark.parametrize("holding", list(HOLDINGS))
+def test_each_holding_form_gives_the_serial_step(setup, serial, holding):
+    """Budgets that force every prompt's whole graph, none, all compact (recomputed layer by layer in the
+    backward), and mixes (micro-batches of two groups: compact+none puts a fused prompt and an unfused one in
+    one): losses and every parameter gradient within 1e-5 of the serial step."""
+    forms = HOLDINGS[holding]
+    sizes = form_bytes(setup)
+    room = sum(sizes[f][i] for i, f in enumerate(forms) if f != NONE)
+    runner = runner_for(setup, "overlapped", budget=budget_for_room(setup, room))
+    out = step(runner, setup)
+    assert [c.form for c in out.schedule.prefix_forms] == forms
+    ref_out, ref_grads = serial
+    assert torch.equal(out.experience.tokens, ref_out.experience.tokens)
+    assert rel(out.train.stats.loss, ref_out.train.stats.loss) < RTOL
+    assert len(runner.optimizer.grads) == len(ref_grads)
+    for g, r in zip(runner.optimizer.grads, ref_grads):
+        assert rel(g, r) < RTOL
+    held = sum(c.bytes for c in out.schedule.prefix_forms)
+    assert held <= room <= out.schedule.memory["room_bytes"]
+    assert len(runner.scorer.store) == 0  # every held prefix was consumed by training
+    # every prompt's prefix counted once per model (actor: in the rollout when held, else in training), also in a
+    # micro-batch of a held and an unheld prompt
+    assert runner.scorer.counts.prefix_tokens == 2 * sum(len(p.input_ids) for p in setup[1])
+    if COMPACT in forms:  # the compact form kept the layer inputs, far less than the whole graph
+        nbytes, tokens = out.prefixes.compact_bytes[id(runner.actor)]
+        whole = runner_for(setup, "overlapped", budget=2**40)
+        graph, graph_tokens = step(whole, setup).prefixes.graph_bytes[id(whole.actor)]
+        print(f"held per prompt token: compact {nbytes / tokens:.0f} B, whole graph {graph / graph_tokens:.0f} B")
+        assert 0 < nbytes / tokens < 0.5 * graph / graph_tokens
+
+
+def test_step_that_cannot_fit_fails_before_it_runs(setup):
+    """A budget below what the weights, optimizer state and one KV group need: BatchTooLargeError naming the keys
+    to change, raised by planning, before the rollout starts."""
+    runner = runner_for(setup, "overlapped", budget=2**20)
+    calls = []
+    runner.engine.generate = lambda *a, **k: calls.append(1)
+    with pytest.raises(BatchTooLargeError) as e:
+        step(runner, setup)
+    assert not calls
+    for key in ("data.prompts_per_step", "rollout.kv_pool_gib", "rollout.max_new_tokens"):
+        assert key in str(e.value)
+
+
+def test_kv_pool_from_the_budget_admits_groups_in_turn_with_the_same_tokens(setup):
+    """The runner sizes the pool for every group when the budget allows; a pool the budget leaves room for 1.5
+    groups only (kv_pool_bytes) still finishes every sample, admitting groups as others finish, with the tokens
+    of the pool that holds them all."""
+    big = runner_for(setup, "decomposed", budget=2**40, from_budget=True, kv_pool=0)
+    out_big = step(big, setup)
+    shape = big.shape(setup[1], params_for(setup))
+    one = big.engine.pool_group_bytes(4, max(shape.prompt_lengths), 6)
+    assert big.engine.kv_pool_bytes == 3 * one and big.engine.pool.num_groups == 3
+    tight = kv_pool_bytes(3 * one, one, rollout_resident_bytes=10 * one, usable_bytes=int(11.5 * one))
+    small = runner_for(setup, "decomposed", budget=2**40, kv_pool=tight)
+    out_small = step(small, setup)
+    assert small.engine.pool.num_groups == 1 and small.engine.stats.prefills == 3
+    assert torch.equal(out_small.experience.tokens, out_big.experience.tokens)
+
+
+def test_engine_without_a_sized_pool_takes_what_its_groups_need(setup):
+    """rollout.kv_pool_gib 0 before the runner sized the pool (an evaluation before the first step): the engine
+    holds every group of the call instead of failing on a zero-byte pool."""
+    processor, prompts, base, _ = setup
+    engine = RolloutEngine(base, kv_pool_bytes=0)
+    out = engine.generate(prompts, params_for(setup))
+    assert engine.pool.num_groups == len(prompts) and all(len(g) == 4 for g in out)
+
+
+def test_negative_budget_keys_are_refused():
+    from torchplex.config import ConfigError, load_config
+
+    for flag in ("--rollout.kv_pool_gib=-1", "--memory.budget_gib=-2"):
+        with pytest.raises(ConfigError, match=flag.split("=")[0].lstrip("-")):
+            load_config([flag])
+
+
+def test_managed_residents_are_the_memory_plans_peaks_beside_the_actor_weights():
+    residents = step_residents(actor_bytes=100, reference_bytes=100, optimizer_bytes=200, grad_bytes=100,
+                               kv_pool_bytes=300, train_activation_bytes=50,
+                               managed={"rollout": 300, "ref": 100, "train": 400})
+    assert {s: sum(g.values()) for s, g in residents.items()} == {"rollout": 400, "ref": 200, "train": 550}

@@ -1,0 +1,151 @@
+"""The step's memory budget: what the device can give the step, what every resident group takes in each stage, and
+from what is left, how each prompt's actor prefix may be held from the rollout to training.
+
+    capacity    memory.budget_gib, or the device's: on CUDA its free memory plus what this process's allocator
+                already holds (cached blocks are ours to reuse); on CPU the host's physical memory
+    residents   per stage (rollout, ref, train): the bytes of every group on the device then: actor weights, the
+                reference weights, optimizer state, gradients, the rollout's KV pool, the training micro-batch's
+                activations (with memory.managed, the memory plan's peak of the stage instead of "all resident")
+    room        capacity - headroom - the largest stage's residents: a prefix held from the rollout prefill to
+                training lives through all three stages, so it must fit beside the fullest one
+
+Holding forms, chosen per prompt in admission order (`choose_prefix_forms`):
+    graph       the whole autograd graph of the fused prefill (bytes per token: overlap.SavedBytes, measured on the
+                first fused step; 8x the K/V until then), for as many prompts as fit in the room
+    compact     the fused prefill under per-layer checkpointing (overlap.CompactPrefix): what it holds is each decoder
+                layer's (and trainable vision block's) input, the layer-boundary hidden states, beside the prefix
+                K/V the store holds anyway; the backward recomputes layer by layer
+    none        not fused: the prompt's actor prefix is computed in training, as in decomposed mode
+As many prompts get the whole graph as can while every other fused prompt still fits as compact; then as many
+compact as fit; the rest none.
+Nothing here is unbounded: without a room there is no fusion, and a step whose smallest form cannot fit fails before
+it runs (`BatchTooLargeError`, naming the config keys to change).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+GRAPH, COMPACT, NONE = "graph", "compact", "none"
+HELD_STAGES = ("rollout", "ref", "train")  # a fused prefix is held from the rollout prefill to its training
+HEADROOM = 0.05  # of capacity, for the allocator's fragmentation and the small tensors no group counts
+# what to change when a step does not fit, in the order a user reaches for them
+FIT_KEYS = ("data.prompts_per_step", "rollout.n_samples", "rollout.max_new_tokens", "rollout.kv_pool_gib",
+            "algorithm.micro_batch_size", "memory.managed", "memory.budget_gib")
+
+
+class BatchTooLargeError(RuntimeError):
+    """The step cannot fit in the memory budget even with nothing fused and the smallest KV pool."""
+
+
+@dataclass(frozen=True)
+class PrefixChoice:
+    """How one prompt's actor prefix is held from the rollout to training (the schedule records one per prompt)."""
+
+    prompt: int
+    form: str    # GRAPH | COMPACT | NONE
+    tokens: int
+    bytes: int   # what the chosen form holds (0 for NONE)
+    reason: str
+
+
+@dataclass
+class MemoryBudget:
+    capacity_bytes: int
+    residents: dict[str, dict[str, int]] = field(default_factory=dict)  # stage -> group -> bytes
+
+    def stage_bytes(self, stage: str) -> int:
+        return sum(self.residents.get(stage, {}).values())
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.capacity_bytes * (1 - HEADROOM))
+
+    @property
+    def room_bytes(self) -> int:
+        """What a prefix held from the rollout to training may take (never negative)."""
+        return max(0, self.usable_bytes - max(self.stage_bytes(s) for s in HELD_STAGES))
+
+    def check(self, what: str = "the step") -> None:
+        """Raise BatchTooLargeError when a stage's groups exceed the usable budget. Activations (an estimate until
+        training measured them on a GPU) count in the room only: a wrong guess fuses fewer prompts, it does not
+        refuse a step that would have run."""
+        need = lambda s: self.stage_bytes(s) - self.residents.get(s, {}).get("activations", 0)
+        over = [(s, need(s)) for s in HELD_STAGES if need(s) > self.usable_bytes]
+        if not over:
+            return
+        stage, worst = max(over, key=lambda x: x[1])
+        groups = ", ".join(f"{g} {b / 2**30:.2f}" for g, b in sorted(self.residents[stage].items(),
+                                                                    key=lambda x: -x[1]) if g != "activations")
+        raise BatchTooLargeError(
+            f"{what} does not fit in memory even with no prefix fused: its {stage} stage needs {worst / 2**30:.2f} GiB "
+            f"({groups} GiB) of the {self.usable_bytes / 2**30:.2f} GiB usable ({self.capacity_bytes / 2**30:.2f} GiB "
+            f"budget less {HEADROOM:.0%} headroom). Change one of: {', '.join(FIT_KEYS)}")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "room_bytes": self.room_bytes, "usable_bytes": self.usable_bytes}
+
+
+def device_capacity(device: torch.device) -> int:
+    """What the device can give this process now (see the module docstring)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def choose_prefix_forms(prompt_lengths: tuple[int, ...], graph_bytes_per_token: float, room_bytes: int,
+                        fusable: bool = True, why_not: str = "", compact_bytes_per_token: float = 0
+                        ) -> list[PrefixChoice]:
+    """Each prompt's holding form in admission order: the first k prompts whole graphs and the next ones compact
+    (compact_bytes_per_token 0: no compact form), k as large as lets every fused prompt fit the room; the
+    prompts after those none."""
+    n = len(prompt_lengths)
+    if not fusable:
+        return [PrefixChoice(i, NONE, L, 0, why_not or "fusion off") for i, L in enumerate(prompt_lengths)]
+    graph = [math.ceil(graph_bytes_per_token * L) for L in prompt_lengths]
+    compact = [math.ceil(compact_bytes_per_token * L) if compact_bytes_per_token else None for L in prompt_lengths]
+    # m: prompts fused at all (the longest run of compact forms that fits; all graphs without a compact form)
+    fits = lambda sizes: [i for i in range(n + 1) if sum(sizes[:i]) <= room_bytes][-1]
+    m = fits(compact) if compact_bytes_per_token else fits(graph)
+    k = max(i for i in range(m + 1) if sum(graph[:i]) + sum(c or 0 for c in compact[i:m]) <= room_bytes)
+    choices, used = [], 0
+    for i, L in enumerate(prompt_lengths):
+        form, need = (GRAPH, graph[i]) if i < k else (COMPACT, compact[i]) if i < m else (NONE, 0)
+        used += need
+        if form == NONE:
+            best = compact[i] if compact_bytes_per_token else graph[i]
+            reason = f"{best / 2**20:.1f} MiB over the room left: computed in training"
+        else:
+            reason = f"{need / 2**20:.1f} MiB, {used / 2**20:.1f} of {room_bytes / 2**20:.1f} MiB of room used"
+        choices.append(PrefixChoice(i, form, L, need, reason))
+    return choices
+
+
+def kv_pool_bytes(need_all_bytes: int, one_group_bytes: int, rollout_resident_bytes: int, usable_bytes: int,
+                  configured_bytes: int = 0) -> int:
+    """The rollout's KV pool: `configured_bytes` when set, else as much of what all groups need at once as fits
+    beside the rollout stage's other residents, at least one group (the engine admits the others as groups
+    finish: RolloutEngine.generate)."""
+    if configured_bytes:
+        return configured_bytes
+    room = usable_bytes - rollout_resident_bytes
+    return max(one_group_bytes, min(need_all_bytes, room))
+
+
+def step_residents(*, actor_bytes: int, reference_bytes: int, optimizer_bytes: int, grad_bytes: int,
+                   kv_pool_bytes: int, train_activation_bytes: int, managed: dict[str, int] | None = None
+                   ) -> dict[str, dict[str, int]]:
+    """Bytes of each group on the device per stage. Unmanaged, every group stays resident except the gradients
+    (made in training, freed by zero_grad) and the KV pool (released after the rollout); `managed`: the memory
+    plan's peak per stage of the groups it moves (runtime/memory.py), beside the actor weights it never moves."""
+    if managed is not None:
+        return {s: {"actor_weights": actor_bytes, "managed_groups": managed.get(s, 0),
+                    **({"activations": train_activation_bytes} if s == "train" else {})} for s in HELD_STAGES}
+    base = {"actor_weights": actor_bytes, "ref_weights": reference_bytes, "optimizer_state": optimizer_bytes}
+    return {"rollout": {**base, "kv_pool": kv_pool_bytes}, "ref": dict(base),
+            "train": {**base, "grads": grad_bytes, "activations": train_activation_bytes}}
