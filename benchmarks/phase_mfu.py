@@ -18,12 +18,10 @@ phase's GPU time split into GEMMs, attention, elementwise/norm, reductions, copi
 
 from __future__ import annotations
 
-import copy
 import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
@@ -31,11 +29,11 @@ from torchplex.components.flops import Flops, TRAIN_FACTOR, decomposed_flops, mf
 from torchplex.components.flops import vision_flops
 from torchplex.data.batching import collate, encode_visuals
 from torchplex.rl.advantages import compute_advantages
-from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
+from torchplex.rollout.logprob_mismatch import mismatch_sums
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.decomposition import DecomposedScorer
-from torchplex.runtime.grpo_step import Experience, reference_phase, train_phase
+from torchplex.runtime.grpo_step import Experience
 from torchplex.runtime.scoring import SerialScorer
 
 PHASES = ("prefill", "vision", "reference", "train")
@@ -126,18 +124,11 @@ def run_vision(model, prompts) -> None:
 
 def run_scoring(mode: str, actor, reference, optimizer, exp, mbs: int, device):
     """(reference seconds, train seconds, the experience with ref/old log-probs) for one mode."""
+    from step_bench import run_mode
+
     scorer, whole = (SerialScorer(), False) if mode == "serial" else (DecomposedScorer(), True)
-    exp = copy.copy(exp)
-    exp.ref_logprobs = exp.old_logprobs = None
-    sync(device)
-    t0 = time.perf_counter()
-    reference_phase(reference, scorer, exp, 1.0, mbs, whole)
-    sync(device)
-    t1 = time.perf_counter()
-    train_phase(actor, scorer, exp, optimizer, None, PolicyLossConfig(kl_coef=0.01), temperature=1.0,
-                micro_batch_size=mbs, whole_groups=whole, ppo_epochs=1, grad_clip=1.0, max_len=exp.tokens.shape[1])
-    sync(device)
-    return t1 - t0, time.perf_counter() - t1, exp
+    ref_s, train_s, _, exp = run_mode(scorer, actor, reference, optimizer, exp, mbs, whole, device)
+    return ref_s, train_s, exp
 
 
 def phase_flops(args, exp: Experience, mode: str, vision_trains: bool) -> dict[str, Flops]:
@@ -160,12 +151,11 @@ def phase_flops(args, exp: Experience, mode: str, vision_trains: bool) -> dict[s
 
 
 def logprob_mismatch(exp: Experience) -> dict[str, float]:
-    """Rollout (sampling) vs trainer (epoch-0, same weights) log-probs of the sampled tokens: mean |diff| and the
-    k3 estimate of KL(rollout || trainer), mean over tokens of exp(r) - 1 - r with r = trainer - rollout."""
-    mask = exp.mask
-    r = (exp.old_logprobs - exp.sampling_logprobs)[mask].double()
-    return {"mean_abs_diff": r.abs().mean().item(), "max_abs_diff": r.abs().max().item(),
-            "k3_kl": (r.exp() - 1 - r).mean().item(), "tokens": int(mask.sum())}
+    """Rollout (sampling) vs trainer (epoch-0, same weights) log-probs of the sampled tokens: mean |diff|, its max
+    and the k3 estimate of KL(rollout || trainer) (torchplex.rollout.logprob_mismatch, as the trainer logs them)."""
+    abs_sum, k3_sum, tokens = mismatch_sums(exp.sampling_logprobs, exp.old_logprobs, exp.mask)
+    worst = (exp.old_logprobs - exp.sampling_logprobs)[exp.mask].abs().max().item()
+    return {"mean_abs_diff": abs_sum / tokens, "max_abs_diff": worst, "k3_kl": k3_sum / tokens, "tokens": int(tokens)}
 
 
 def kernel_category(name: str) -> str:

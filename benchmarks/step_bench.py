@@ -94,6 +94,7 @@ def sync(device):
 
 
 def run_mode(scorer, actor, reference, optimizer, exp, mbs, whole_groups, device):
+    """(reference seconds, train seconds, peak GiB, the experience with its ref/old log-probs) for one scorer."""
     exp = copy.copy(exp)
     exp.ref_logprobs = exp.old_logprobs = None
     if hasattr(scorer, "new_step"):
@@ -109,7 +110,7 @@ def run_mode(scorer, actor, reference, optimizer, exp, mbs, whole_groups, device
     sync(device)
     t2 = time.perf_counter()
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-    return t1 - t0, t2 - t1, peak
+    return t1 - t0, t2 - t1, peak, exp
 
 
 def long_tail_stops(vocab: int, mean_response: int) -> list[int]:
@@ -326,7 +327,8 @@ def main():
         for name, (scorer, whole) in modes.items():
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            ref_s, train_s, peak = run_mode(scorer, actor, reference, optimizer, exp, a.micro_batch, whole, device)
+            ref_s, train_s, peak, _ = run_mode(scorer, actor, reference, optimizer, exp, a.micro_batch, whole,
+                                               device)
             if rep:
                 times[name]["ref"].append(ref_s)
                 times[name]["train"].append(train_s)
