@@ -196,3 +196,43 @@ def test_packed_contexts_equal_a_dense_masked_reference():
         ref = dense_reference(q[0, :, start:start + m], keys, values, allowed)
         assert torch.allclose(out[0, :, start:start + m], ref, atol=1e-12)
         start += m
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+    """What the flash varlen kernel computes, on CPU: per sequence, causal with the diagonal at the bottom right."""
+    assert kwargs.get("window_size", (-1, 0)) == (-1, 0) or kwargs.get("is_causal")
+    out = torch.empty_like(q)
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        m, n = qs.stop - qs.start, ks.stop - ks.start
+        assert m <= max_q and n <= max_k
+        allowed = torch.ones(m, n, dtype=torch.bool).tril(diagonal=n - m)
+        out[qs] = dense_reference(q[qs].transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1),
+                                  allowed).transpose(0, 1)
+    return out
+
+
+def test_flash_varlen_layouts_index_the_right_keys(monkeypatch):
+    """The CUDA path's one varlen call per layer (packed key index, cu_seqlens), checked on CPU with the kernel
+    replaced by its definition: the same outputs as the per-length SDPA path."""
+    import torchplex.models.packing as packing
+
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim = 4, 2, 8
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
+    owners, suffix_lens, prefix_lens = [1, 0, 0, 1, 1], [3, 0, 1, 5, 2], [4, 2]
+    prefix = PrefixState([rand(2, kv_heads, 5, dim)], [rand(2, kv_heads, 5, dim)], torch.tensor(prefix_lens),
+                         torch.tensor([4, 2]), rand(2, heads * dim))
+    n = sum(suffix_lens)
+    q, k, v = rand(1, heads, n, dim), rand(1, kv_heads, n, dim), rand(1, kv_heads, n, dim)
+    lengths = [4, 1, 6]
+    qc, kc, vc = rand(1, heads, 11, dim), rand(1, kv_heads, 11, dim), rand(1, kv_heads, 11, dim)
+    expected = (PackedSuffixAttention(prefix, owners, suffix_lens, prefix_lens)(0, q, k, v),
+                PackedCausalAttention(lengths, q.device)(0, qc, kc, vc))
+    monkeypatch.setattr(packing, "varlen_flash_available", lambda t: True)
+    monkeypatch.setattr(packing, "_varlen_attn", reference_varlen)
+    got = (PackedSuffixAttention(prefix, owners, suffix_lens, prefix_lens)(0, q, k, v),
+           PackedCausalAttention(lengths, q.device)(0, qc, kc, vc))
+    for a, b in zip(got, expected):
+        assert torch.allclose(a, b, atol=1e-12)
