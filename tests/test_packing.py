@@ -166,20 +166,24 @@ def dense_reference(q, k, v, allowed):
     return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
 
 
-def test_packed_contexts_equal_a_dense_masked_reference():
+@pytest.mark.parametrize("lengths,owners,suffix_lens", [
+    ([5, 1, 5, 3], [0, 1, 1, 0], [2, 0, 4, 2]),  # several lengths, an empty suffix: gathered groups
+    ([3, 3, 3], [1, 1], [3, 3]),                  # one length covering every token: the view path
+])
+def test_packed_contexts_equal_a_dense_masked_reference(lengths, owners, suffix_lens):
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
     # Serial rows: causal within each, never across.
-    lengths = [5, 1, 5, 3]
     n = sum(lengths)
     q, k, v = rand(1, heads, n, dim), rand(1, kv_heads, n, dim), rand(1, kv_heads, n, dim)
     seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     allowed = torch.ones(n, n, dtype=torch.bool).tril() & (seg[:, None] == seg[None])
+    v = v.transpose(1, 2).contiguous().transpose(1, 2)  # the decoder's v: a (1, N, Hkv, D) projection, transposed
     out = PackedCausalAttention(lengths, q.device)(0, q, k, v)
     assert torch.allclose(out[0], dense_reference(q[0], k[0], v[0], allowed), atol=1e-12)
-    # Suffixes on two prompts' prefixes (valid lengths 3 and 6, padded to 6), one empty suffix.
-    owners, suffix_lens, prefix_lens = [0, 1, 1, 0], [2, 0, 4, 2], [3, 6]
+    # Suffixes on two prompts' prefixes (valid lengths 3 and 6, padded to 6).
+    prefix_lens = [3, 6]
     prefix = PrefixState([rand(2, kv_heads, 6, dim)], [rand(2, kv_heads, 6, dim)], torch.tensor(prefix_lens),
                          torch.tensor([3, 6]), rand(2, heads * dim))
     n = sum(suffix_lens)
