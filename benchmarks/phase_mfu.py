@@ -6,7 +6,8 @@ Driven by `step_bench.py --mfu` (that script's flags say the workload):
         --mean-response 256 --modes serial decomposed --out benchmarks/results/mfu-YYYYMMDD-img.json
 
 The actor samples real rollouts first (the engine, stop tokens that end responses after ~--mean-response tokens),
-so every phase runs on the lengths a step would see. Then, per round and mode, each phase runs alone between
+so every phase runs on the lengths a step would see. A mode NAME-padded (serial-padded, decomposed-padded)
+scores on rows padded to the longest instead of packed tokens, to measure packing in the same process. Then, per round and mode, each phase runs alone between
 device synchronisations: the rollout prefill (the engine's own prefill, prompts batched up to its token budget,
 the first token's logits), the vision tower over every prompt, the reference log-probs and one training step
 (PPO forward + backward + AdamW at lr 0, so every round and mode scores the same policy). FLOPs come from
@@ -125,8 +126,11 @@ def run_vision(model, prompts) -> None:
 
 
 def run_scoring(mode: str, actor, reference, optimizer, exp, mbs: int, device):
-    """(reference seconds, train seconds, the experience with ref/old log-probs) for one mode."""
-    scorer, whole = (SerialScorer(), False) if mode == "serial" else (DecomposedScorer(), True)
+    """(reference seconds, train seconds, the experience with ref/old log-probs) for one mode. A mode ending in
+    "-padded" runs the scorers' padded layout instead of packed tokens (the before side of packing, issue 19)."""
+    pack = not mode.endswith("-padded")
+    scorer, whole = ((SerialScorer(pack=pack), False) if base_mode(mode) == "serial"
+                     else (DecomposedScorer(pack=pack), True))
     exp = copy.copy(exp)
     exp.ref_logprobs = exp.old_logprobs = None
     sync(device)
@@ -140,6 +144,11 @@ def run_scoring(mode: str, actor, reference, optimizer, exp, mbs: int, device):
     return t1 - t0, time.perf_counter() - t1, exp
 
 
+def base_mode(mode: str) -> str:
+    """serial or decomposed, for a mode name with or without its "-padded" variant."""
+    return mode.removesuffix("-padded")
+
+
 def phase_flops(args, exp: Experience, mode: str, vision_trains: bool) -> dict[str, Flops]:
     """Counted FLOPs of each phase for this mode on this experience."""
     prompts = exp.prompts
@@ -148,7 +157,7 @@ def phase_flops(args, exp: Experience, mode: str, vision_trains: bool) -> dict[s
     lengths = exp.lengths.tolist()
     g = exp.group_size
     responses = [lengths[i * g:(i + 1) * g] for i in range(len(prompts))]
-    if mode == "serial":
+    if base_mode(mode) == "serial":
         fwd = serial_flops(args, lens, responses, grids)
     else:
         fwd = decomposed_flops(args, lens, responses, [x for gs in grids for x in gs])
@@ -254,7 +263,8 @@ def run_mfu(a, args, dtype, device, prompts, build, stops: list[int], progress=l
         prompt_tokens = sum(len(p.input_ids) for p in prompts)
         for m in modes:
             row = {"workload": a.workload, "geometry": a.geometry, "prompts": len(prompts), "group": a.group, "mode": m,
-                   "samples": samples, "tokens": prompt_tokens * (a.group if m == "serial" else 1) + sum(lengths),
+                   "samples": samples,
+                   "tokens": prompt_tokens * (a.group if base_mode(m) == "serial" else 1) + sum(lengths),
                    "peak_gib": peaks[m], "ok": m not in errors, "error": errors.get(m, "")}
             if m not in errors and not times[m]["train"]:
                 row.update({"ok": False, "error": "no timed round finished (stopped at the time limit)"})
