@@ -5,16 +5,17 @@ Driven by `step_bench.py --mfu` (that script's flags say the workload):
     python benchmarks/step_bench.py --mfu --geometry 7B --dtype bfloat16 --prompts 32 --group 8 --response 1024 \
         --mean-response 256 --modes serial decomposed --out benchmarks/results/mfu-YYYYMMDD-img.json
 
-The actor samples real rollouts first (the engine, stop tokens that end responses after ~--mean-response tokens),
-so every phase runs on the lengths a step would see. A mode NAME-padded (serial-padded, decomposed-padded)
-scores on rows padded to the longest instead of packed tokens, to measure packing in the same process.
-Then, per round and mode, each phase runs alone between device synchronisations: the rollout prefill (the
-engine's own prefill, prompts batched up to its token budget, the first token's logits), the vision tower over every prompt, the reference log-probs and one training step
-(PPO forward + backward + AdamW at lr 0, so every round and mode scores the same policy). FLOPs come from
-`torchplex.components.flops` for the tokens each phase processed; the peak is a dense bf16 8192^3 matmul timed in
-the same process. The rollout's sampling log-probs against the trainer's epoch-0 log-probs of the same tokens give
-the log-prob mismatch (mean |diff| and k3 KL). `--profile-dir`: one more round of the first mode under torch.profiler, with each
-phase's GPU time split into GEMMs, attention, elementwise/norm, reductions, copies and host gaps.
+The actor samples real rollouts first (the engine, stop tokens that end responses after ~--mean-response tokens), so
+every phase runs on the lengths a step would see. A mode NAME-padded (serial-padded, decomposed-padded) scores on
+rows padded to the longest instead of packed tokens, to measure packing in the same process. Then, per round and
+mode, each phase runs alone between device synchronisations: the rollout prefill (the engine's own prefill, prompts
+batched up to its token budget, the first token's logits), the vision tower over every prompt, the reference
+log-probs and one training step (PPO forward + backward + AdamW at lr 0, so every round and mode scores the same
+policy). FLOPs come from `torchplex.components.flops` for the tokens each phase processed; the peak is a dense bf16
+8192^3 matmul timed in the same process. The rollout's sampling log-probs against the trainer's epoch-0 log-probs of
+the same tokens give the log-prob mismatch (mean |diff| and k3 KL). `--profile-dir`: one more round of the first mode
+under torch.profiler, with each phase's GPU time split into GEMMs, attention, elementwise/norm, reductions, copies
+and host gaps.
 """
 
 from __future__ import annotations
