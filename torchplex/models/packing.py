@@ -52,6 +52,15 @@ def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch
     return _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
 
+def upload(t: torch.Tensor, device) -> torch.Tensor:
+    """A host-built index tensor on `device` without a host sync: a CUDA copy from pageable memory makes the host
+    wait for the stream, one from pinned memory is queued like a kernel (the pinned buffer is kept until it ran)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _cumsum(lengths: list[int]) -> list[int]:
     out = [0]
     for n in lengths:
@@ -73,33 +82,37 @@ class PackedCausalAttention:
     def __init__(self, lengths: list[int], device):
         self.lengths = [n for n in lengths if n > 0]
         self.total = sum(self.lengths)
-        bounds = _cumsum(self.lengths)
         self.max_len = max(self.lengths, default=0)
-        self._cu = None
-        self._device = device
-        by_length: dict[int, list[int]] = {}
-        for n, start in zip(self.lengths, bounds):
-            by_length.setdefault(n, []).append(start)
-        self.groups: list[tuple[int, int, torch.Tensor]] = []
-        for n, starts in by_length.items():
-            index = (torch.tensor(starts)[:, None] + torch.arange(n)).reshape(-1)
-            self.groups.append((n, len(starts), index.to(device)))
-        self._bounds = bounds
+        self.device = device
+        self._bounds = _cumsum(self.lengths)
+        self._cu: torch.Tensor | None = None  # the flash path's cu_seqlens, uploaded on first use
+        self._groups: list[tuple[int, int, torch.Tensor]] | None = None  # the SDPA path's, built on first use
+
+    def groups(self) -> list[tuple[int, int, torch.Tensor]]:
+        """(length, count, packed token index) per distinct sequence length."""
+        if self._groups is None:
+            by_length: dict[int, list[int]] = {}
+            for n, start in zip(self.lengths, self._bounds):
+                by_length.setdefault(n, []).append(start)
+            self._groups = [(n, len(starts), upload((torch.tensor(starts)[:, None] + torch.arange(n)).reshape(-1),
+                                                    self.device)) for n, starts in by_length.items()]
+        return self._groups
 
     def __call__(self, layer: int, q, k, v):
         if varlen_flash_available(q):
             if self._cu is None:
-                self._cu = torch.tensor(self._bounds, dtype=torch.int32).to(q.device)
+                self._cu = upload(torch.tensor(self._bounds, dtype=torch.int32), q.device)
             o = varlen_causal(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), self._cu, self._cu,
                               self.max_len, self.max_len)
             return _to_heads_first(o)
-        if len(self.groups) == 1:  # one length: a view, no gather
-            n, count, _ = self.groups[0]
+        groups = self.groups()
+        if len(groups) == 1:  # one length: a view, no gather
+            n, count, _ = groups[0]
             split = lambda t: t[0].view(t.shape[1], count, n, t.shape[3]).transpose(0, 1)
             o = sdpa(split(q), split(k), split(v), is_causal=True)  # (count, H, n, D)
             return o.transpose(0, 1).reshape(1, q.shape[1], self.total, q.shape[3])
         out = torch.empty_like(q)
-        for n, count, index in self.groups:
+        for n, count, index in groups:
             gather = lambda t: t[0][:, index].view(t.shape[1], count, n, t.shape[3]).transpose(0, 1)
             o = sdpa(gather(q), gather(k), gather(v), is_causal=True)
             out[0, :, index] = o.transpose(0, 1).reshape(q.shape[1], count * n, q.shape[3])
@@ -118,23 +131,29 @@ class PackedSuffixAttention:
 
     def __init__(self, prefix: PrefixState, owners: list[int], lengths: list[int], prefix_lengths: list[int]):
         self.prefix = prefix
-        device = prefix.k[0].device
-        self.device = device
+        self.device = prefix.k[0].device
         starts = _cumsum(lengths)
         self.total = starts[-1]
-        live = [(s, o, prefix_lengths[o], n, starts[s]) for s, (o, n) in enumerate(zip(owners, lengths)) if n > 0]
-        # Per (prefix length, suffix length): the suffixes' packed token index and their owners' prefix rows.
-        by_pair: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for _, o, plen, n, start in live:
-            by_pair.setdefault((plen, n), []).append((o, start))
-        self.groups = []
-        for (plen, n), members in by_pair.items():
-            index = (torch.tensor([st for _, st in members])[:, None] + torch.arange(n)).reshape(-1)
-            rows = torch.tensor([o for o, _ in members])
-            mask = torch.ones(n, plen + n, dtype=torch.bool).tril(diagonal=plen)
-            self.groups.append((plen, n, len(members), index.to(device), rows.to(device), mask.to(device)))
-        self._live = live
+        self._live = [(s, o, prefix_lengths[o], n, starts[s]) for s, (o, n) in enumerate(zip(owners, lengths))
+                      if n > 0]
+        self._groups = None  # the SDPA path's, built on first use
         self._varlen = None  # (key gather index, cu_q, cu_k, max_q, max_k), built on first flash use
+
+    def groups(self):
+        """Per (prefix length, suffix length): (prefix length, suffix length, count, the suffixes' packed token
+        index, their owners' prefix rows, the bottom-right causal mask for kernels without that alignment)."""
+        if self._groups is None:
+            by_pair: dict[tuple[int, int], list[tuple[int, int]]] = {}
+            for _, o, plen, n, start in self._live:
+                by_pair.setdefault((plen, n), []).append((o, start))
+            self._groups = []
+            for (plen, n), members in by_pair.items():
+                index = (torch.tensor([st for _, st in members])[:, None] + torch.arange(n)).reshape(-1)
+                rows = torch.tensor([o for o, _ in members])
+                mask = torch.ones(n, plen + n, dtype=torch.bool).tril(diagonal=plen)
+                self._groups.append((plen, n, len(members), upload(index, self.device), upload(rows, self.device),
+                                     upload(mask, self.device)))
+        return self._groups
 
     def _varlen_layout(self):
         """Packed keys of every suffix: its prompt's valid prefix rows, then its own tokens, as an index into
@@ -148,8 +167,9 @@ class PackedSuffixAttention:
                 parts += [torch.arange(plen) + o * width, torch.arange(n) + base + start]
                 cu_k.append(cu_k[-1] + plen + n)
             cu_q = _cumsum([n for *_, n, _ in self._live])
-            self._varlen = (torch.cat(parts).to(self.device), torch.tensor(cu_q, dtype=torch.int32).to(self.device),
-                            torch.tensor(cu_k, dtype=torch.int32).to(self.device),
+            self._varlen = (upload(torch.cat(parts), self.device),
+                            upload(torch.tensor(cu_q, dtype=torch.int32), self.device),
+                            upload(torch.tensor(cu_k, dtype=torch.int32), self.device),
                             max(n for *_, n, _ in self._live), max(p + n for _, _, p, n, _ in self._live))
         return self._varlen
 
@@ -161,9 +181,9 @@ class PackedSuffixAttention:
                                            t[0].transpose(0, 1)])[kidx]
             o = varlen_causal(q[0].transpose(0, 1), flat(pk, k), flat(pv, v), cu_q, cu_k, max_q, max_k)
             return _to_heads_first(o)
-        out = torch.empty_like(q) if len(self.groups) != 1 or self.groups[0][2] * self.groups[0][1] != self.total \
-            else None
-        for plen, n, count, index, rows, mask in self.groups:
+        groups = self.groups()
+        out = None if len(groups) == 1 and groups[0][2] * groups[0][1] == self.total else torch.empty_like(q)
+        for plen, n, count, index, rows, mask in groups:
             gather = lambda t: t[0][:, index].view(t.shape[1], count, n, t.shape[3]).transpose(0, 1)
             keys = torch.cat([pk[rows, :, :plen], gather(k)], dim=2)
             values = torch.cat([pv[rows, :, :plen], gather(v)], dim=2)

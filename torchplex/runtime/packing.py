@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..data.batching import collate, encode_visuals
+from ..models.packing import upload
 from ..rl.logprobs import entropy_from_hidden, logprobs_from_hidden
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class PackedResponses:
         self.device = request.tokens.device
         width = self.shape[1]
         # Index of response token j of row s in the flattened rectangle: s * R + j.
-        self.flat = _cat_ranges([s * width for s in range(self.shape[0])], self.lengths).to(self.device)
+        self.flat = upload(_cat_ranges([s * width for s in range(self.shape[0])], self.lengths), self.device)
         self.count = sum(self.lengths)
 
     def gather(self, rect: torch.Tensor) -> torch.Tensor:
@@ -74,15 +75,15 @@ def packed_scores(model, predictors: torch.Tensor, layout: PackedResponses, toke
 def decomposed_predictors(model, prefix, request: "ScoreRequest", layout: PackedResponses) -> torch.Tensor:
     """Hidden states (N, D) that predict each valid response token, from packed suffixes on `prefix`."""
     owners = list(request.prompt_index)
-    first = prefix.last_hidden[torch.tensor(owners, device=layout.device)]  # (S, D): predicts token 0
+    first = prefix.last_hidden[upload(torch.tensor(owners), layout.device)]  # (S, D): predicts token 0
     inputs = [max(n - 1, 0) for n in layout.lengths]
     total = sum(inputs)
     if total == 0:
         rows = torch.tensor([s for s, n in enumerate(layout.lengths) if n > 0], dtype=torch.long)
-        return first[rows.to(layout.device)]
+        return first[upload(rows, layout.device)]
     # Suffix inputs: response tokens 0 .. n-2 of each row (token j + 1 is predicted by input j).
     tokens = layout.gather(request.tokens)
-    keep = _cat_ranges(_starts(layout.lengths), inputs).to(layout.device)
+    keep = upload(_cat_ranges(_starts(layout.lengths), inputs), layout.device)
     prefix_lengths = [len(p.input_ids) for p in request.prompts]
     rest = model.packed_suffix_forward(prefix, tokens[keep], owners, inputs, prefix_lengths)
     # Predictor of token j of row s: row s of `first` for j = 0, else packed suffix row (start_s + j - 1).
@@ -91,7 +92,7 @@ def decomposed_predictors(model, prefix, request: "ScoreRequest", layout: Packed
         if n > 0:
             index.append(torch.tensor([s]))
             index.append(torch.arange(n - 1) + S + starts[s])
-    return torch.cat([first, rest])[torch.cat(index).to(layout.device)]
+    return torch.cat([first, rest])[upload(torch.cat(index), layout.device)]
 
 
 def serial_predictors(model, request: "ScoreRequest", layout: PackedResponses, pad_id: int
@@ -114,4 +115,4 @@ def serial_predictors(model, request: "ScoreRequest", layout: PackedResponses, p
                                   image_embeds=image, video_embeds=video, prompt_mask=in_prompt.to(device))
     starts = _starts(seq_lens)
     index = _cat_ranges([st + p - 1 for st, p in zip(starts, prompt_lens)], layout.lengths)
-    return hidden[index.to(device)], prompts
+    return hidden[upload(index, device)], prompts

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..activations import activation
 from ..attention import CausalAttention, PrefixAttention, PrefixState, SharedPrefixAttention
-from ..packing import PackedCausalAttention, PackedSuffixAttention
+from ..packing import PackedCausalAttention, PackedSuffixAttention, upload
 from .args import ModelArgs, TextArgs, VisionArgs
 from .rope_index import text_positions
 from .rope_scaling import text_inv_freq
@@ -441,7 +441,7 @@ class Qwen2_5_VLModel(nn.Module):
         owner_of = torch.tensor([o for o, n in zip(owners, lengths) for _ in range(n)], dtype=torch.long)
         offset = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.long)
         # Text continuing each prompt: its next position plus the offset in the suffix, on all three axes.
-        positions = (prefix.next_position[owner_of.to(device)] + offset.to(device)).expand(3, 1, -1)
+        positions = (prefix.next_position[upload(owner_of, device)] + upload(offset, device)).expand(3, 1, -1)
         h = self.tok_embeddings(tokens)[None]
         attn = PackedSuffixAttention(prefix, owners, lengths, prefix_lengths)
         return self.decode(h, positions, attn)[0]
