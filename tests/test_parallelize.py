@@ -109,6 +109,14 @@ def suffix_loss(model: Qwen2_5_VLModel, prompt: Batch) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), RESPONSES.reshape(-1))
 
 
+def packed_suffix_hidden(model: Qwen2_5_VLModel, prompt: Batch) -> torch.Tensor:
+    """suffix_hidden's suffix hidden states through packed_suffix_forward, (S * R, D)."""
+    prefix = model.prefix_forward(prompt.input_ids, prompt.position_ids, prompt.next_position,
+                                  image_embeds=model.encode_vision(prompt.pixel_values, prompt.grid_thw))
+    s, r = RESPONSES.shape
+    return model.packed_suffix_forward(prefix, RESPONSES.reshape(-1), [0] * s, [r] * s)
+
+
 def packed_suffix_loss(model: Qwen2_5_VLModel, prompt: Batch) -> torch.Tensor:
     """suffix_loss through packed_suffix_forward: the responses without their last token, packed back to back."""
     prefix = model.prefix_forward(prompt.input_ids, prompt.position_ids, prompt.next_position,
@@ -222,9 +230,11 @@ def run_tp(dims: ParallelDims) -> dict:
     batch = make_batch()
     with torch.no_grad():
         _, suffix = suffix_hidden(model, batch.select(0, 1))
+        packed = packed_suffix_hidden(model, batch.select(0, 1))
         kv_heads_per_rank = model.prefix_forward(batch.input_ids[:1, :4], batch.position_ids[:, :1, :4],
                                                  batch.next_position[:1]).k[0].shape[1]
-        return {"hidden": hidden_states(model, batch), "suffix": suffix, "kv_heads_per_rank": kv_heads_per_rank}
+        return {"hidden": hidden_states(model, batch), "suffix": suffix, "packed_suffix": packed,
+                "kv_heads_per_rank": kv_heads_per_rank}
 
 
 def run_train(dims: ParallelDims) -> dict:
@@ -344,6 +354,7 @@ def test_tp2_forward_matches_single_process(tp2, reference):
 def test_tp2_suffix_forward_matches_single_process(tp2, reference):
     assert tp2["kv_heads_per_rank"] == ARGS.text.num_kv_heads // 2, "each TP rank keeps K/V of its own heads"
     assert_close(tp2["suffix"], reference["suffix"], "suffix hidden")
+    assert_close(tp2["packed_suffix"], reference["suffix"].reshape(tp2["packed_suffix"].shape), "packed suffix")
 
 
 # ---- FSDP2 x TP on 2 x 2 ranks -------------------------------------------------------------------------
