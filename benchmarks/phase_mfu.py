@@ -5,15 +5,17 @@ Driven by `step_bench.py --mfu` (that script's flags say the workload):
     python benchmarks/step_bench.py --mfu --geometry 7B --dtype bfloat16 --prompts 32 --group 8 --response 1024 \
         --mean-response 256 --modes serial decomposed --out benchmarks/results/mfu-YYYYMMDD-img.json
 
-The actor samples real rollouts first (the engine, stop tokens that end responses after ~--mean-response tokens),
-so every phase runs on the lengths a step would see. Then, per round and mode, each phase runs alone between
-device synchronisations: the rollout prefill (the engine's own prefill, prompts batched up to its token budget,
-the first token's logits), the vision tower over every prompt, the reference log-probs and one training step
-(PPO forward + backward + AdamW at lr 0, so every round and mode scores the same policy). FLOPs come from
-`torchplex.components.flops` for the tokens each phase processed; the peak is a dense bf16 8192^3 matmul timed in
-the same process. The rollout's sampling log-probs against the trainer's epoch-0 log-probs of the same tokens give
-the log-prob mismatch (mean |diff| and k3 KL). `--profile-dir`: one more round of the first mode under torch.profiler, with each
-phase's GPU time split into GEMMs, attention, elementwise/norm, reductions, copies and host gaps.
+The actor samples real rollouts first (the engine, stop tokens that end responses after ~--mean-response tokens), so
+every phase runs on the lengths a step would see. A mode NAME-padded (serial-padded, decomposed-padded) scores on
+rows padded to the longest instead of packed tokens, to measure packing in the same process. Then, per round and
+mode, each phase runs alone between device synchronisations: the rollout prefill (the engine's own prefill, prompts
+batched up to its token budget, the first token's logits), the vision tower over every prompt, the reference
+log-probs and one training step (PPO forward + backward + AdamW at lr 0, so every round and mode scores the same
+policy). FLOPs come from `torchplex.components.flops` for the tokens each phase processed; the peak is a dense bf16
+8192^3 matmul timed in the same process. The rollout's sampling log-probs against the trainer's epoch-0 log-probs of
+the same tokens give the log-prob mismatch (mean |diff| and k3 KL). `--profile-dir`: one more round of the first mode
+under torch.profiler, with each phase's GPU time split into GEMMs, attention, elementwise/norm, reductions, copies
+and host gaps.
 """
 
 from __future__ import annotations
@@ -123,12 +125,20 @@ def run_vision(model, prompts) -> None:
 
 
 def run_scoring(mode: str, actor, reference, optimizer, exp, mbs: int, device):
-    """(reference seconds, train seconds, the experience with ref/old log-probs) for one mode."""
+    """(reference seconds, train seconds, the experience with ref/old log-probs) for one mode. A mode ending in
+    "-padded" runs the scorers' padded layout instead of packed tokens (the before side of packing, issue 19)."""
     from step_bench import run_mode
 
-    scorer, whole = (SerialScorer(), False) if mode == "serial" else (DecomposedScorer(), True)
+    pack = not mode.endswith("-padded")
+    scorer, whole = ((SerialScorer(pack=pack), False) if base_mode(mode) == "serial"
+                     else (DecomposedScorer(pack=pack), True))
     ref_s, train_s, _, exp = run_mode(scorer, actor, reference, optimizer, exp, mbs, whole, device)
     return ref_s, train_s, exp
+
+
+def base_mode(mode: str) -> str:
+    """serial or decomposed, for a mode name with or without its "-padded" variant."""
+    return mode.removesuffix("-padded")
 
 
 def phase_flops(args, exp: Experience, mode: str, vision_trains: bool) -> dict[str, Flops]:
@@ -139,7 +149,7 @@ def phase_flops(args, exp: Experience, mode: str, vision_trains: bool) -> dict[s
     lengths = exp.lengths.tolist()
     g = exp.group_size
     responses = [lengths[i * g:(i + 1) * g] for i in range(len(prompts))]
-    if mode == "serial":
+    if base_mode(mode) == "serial":
         fwd = serial_flops(args, lens, responses, grids)
     else:
         fwd = decomposed_flops(args, lens, responses, [x for gs in grids for x in gs])
@@ -244,7 +254,8 @@ def run_mfu(a, args, dtype, device, prompts, build, stops: list[int], progress=l
         prompt_tokens = sum(len(p.input_ids) for p in prompts)
         for m in modes:
             row = {"workload": a.workload, "geometry": a.geometry, "prompts": len(prompts), "group": a.group, "mode": m,
-                   "samples": samples, "tokens": prompt_tokens * (a.group if m == "serial" else 1) + sum(lengths),
+                   "samples": samples,
+                   "tokens": prompt_tokens * (a.group if base_mode(m) == "serial" else 1) + sum(lengths),
                    "peak_gib": peaks[m], "ok": m not in errors, "error": errors.get(m, "")}
             if m not in errors and not times[m]["train"]:
                 row.update({"ok": False, "error": "no timed round finished (stopped at the time limit)"})

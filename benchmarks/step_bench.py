@@ -286,7 +286,8 @@ def main():
                     "overlapped with the reference prefix as bucketed compiled graphs (CUDA graphs on a GPU)")
     ap.add_argument("--mfu", action="store_true", help="MFU of each compute phase (prefill, vision, reference, "
                     "train) on real rollouts, per mode; --out writes a results file of topic mfu (phase_mfu.py)")
-    ap.add_argument("--modes", nargs="+", default=["serial", "decomposed"], help="with --mfu: the modes to run")
+    ap.add_argument("--modes", nargs="+", default=["serial", "decomposed"], help="with --mfu: the modes to run (serial, "
+                    "decomposed; NAME-padded runs that mode on padded rows, packing's before side)")
     ap.add_argument("--workload", default="img", help="with --mfu: the workload name in the results rows")
     ap.add_argument("--profile-dir", default="", help="with --mfu: one more round under torch.profiler per mode, "
                     "its kernel categories in the rows")

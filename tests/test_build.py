@@ -76,3 +76,20 @@ def test_managed_memory_plans_the_stages_of_the_runners_schedule(grpo_assets, fr
     rows = {row.phase: row for row in runner.memory.plan.phases}
     assert "kv_pool" in rows["rollout"].resident and "kv_pool" in rows["ref"].offload
     assert "grads" in rows["train"].needed
+
+
+@pytest.mark.parametrize("mode", ["serial", "decomposed"])
+@pytest.mark.parametrize("packed", [True, False])
+def test_packed_scoring_follows_the_config(grpo_assets, mode, packed):
+    """runtime.packed_scoring reaches the runner's scorer: packed (the default) or padded rows (the escape hatch
+    while the CUDA varlen path is new)."""
+    import torch
+
+    args = [f"--runtime.mode={mode}"] + ([] if packed else ["--runtime.packed_scoring=false"])
+    cfg = load_config(args)
+    assert step_settings(cfg).packed_scoring is packed
+    actor = grpo_assets.actor
+    optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=0.0)
+    runner = build_step_runtime(cfg, actor, grpo_assets.reference, RolloutEngine(actor, kv_pool_bytes=2**20),
+                                optimizer, None, grpo_assets.processor.tokenizer)
+    assert runner.scorer.pack is packed

@@ -109,6 +109,25 @@ def suffix_loss(model: Qwen2_5_VLModel, prompt: Batch) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), RESPONSES.reshape(-1))
 
 
+def packed_suffix_hidden(model: Qwen2_5_VLModel, prompt: Batch) -> torch.Tensor:
+    """suffix_hidden's suffix hidden states through packed_suffix_forward, (S * R, D)."""
+    prefix = model.prefix_forward(prompt.input_ids, prompt.position_ids, prompt.next_position,
+                                  image_embeds=model.encode_vision(prompt.pixel_values, prompt.grid_thw))
+    s, r = RESPONSES.shape
+    return model.packed_suffix_forward(prefix, RESPONSES.reshape(-1), [0] * s, [r] * s)
+
+
+def packed_suffix_loss(model: Qwen2_5_VLModel, prompt: Batch) -> torch.Tensor:
+    """suffix_loss through packed_suffix_forward: the responses without their last token, packed back to back."""
+    prefix = model.prefix_forward(prompt.input_ids, prompt.position_ids, prompt.next_position,
+                                  image_embeds=model.encode_vision(prompt.pixel_values, prompt.grid_thw))
+    s, r = RESPONSES.shape
+    packed = model.packed_suffix_forward(prefix, RESPONSES[:, :-1].reshape(-1), [0] * s, [r - 1] * s)
+    rows = [torch.cat([prefix.last_hidden, packed[i * (r - 1):(i + 1) * (r - 1)]]) for i in range(s)]
+    logits = model.logits(torch.cat(rows))
+    return F.cross_entropy(logits, RESPONSES.reshape(-1))
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return t.full_tensor() if isinstance(t, DTensor) else t.clone()
@@ -192,6 +211,9 @@ def run_fsdp(dims: ParallelDims) -> dict:
     model = _parallel_model(dims)
     suffix_loss(model, batch.select(0, 1)).backward()  # dp rank r continues prompt r * (NUM_SAMPLES / dp)
     suffix_grads = full_grads(model)
+    model = _parallel_model(dims)
+    packed_suffix_loss(model, batch.select(0, 1)).backward()
+    packed_suffix_grads = full_grads(model)
 
     frozen = _parallel_model(dims, freeze_vision=True)
     next_token_loss(frozen, batch).backward()
@@ -199,7 +221,7 @@ def run_fsdp(dims: ParallelDims) -> dict:
                          for p in frozen.visual.parameters())
     return {"hidden": hidden, "loss": _gather_dp(loss.view(1), dims).mean(), "grads": grads, "params": params,
             "hidden_after_step": hidden_after_step, "suffix_grads": suffix_grads,
-            "frozen_grads": full_grads(frozen), "vision_sharded": vision_sharded}
+            "packed_suffix_grads": packed_suffix_grads, "frozen_grads": full_grads(frozen), "vision_sharded": vision_sharded}
 
 
 def run_tp(dims: ParallelDims) -> dict:
@@ -208,9 +230,11 @@ def run_tp(dims: ParallelDims) -> dict:
     batch = make_batch()
     with torch.no_grad():
         _, suffix = suffix_hidden(model, batch.select(0, 1))
+        packed = packed_suffix_hidden(model, batch.select(0, 1))
         kv_heads_per_rank = model.prefix_forward(batch.input_ids[:1, :4], batch.position_ids[:, :1, :4],
                                                  batch.next_position[:1]).k[0].shape[1]
-        return {"hidden": hidden_states(model, batch), "suffix": suffix, "kv_heads_per_rank": kv_heads_per_rank}
+        return {"hidden": hidden_states(model, batch), "suffix": suffix, "packed_suffix": packed,
+                "kv_heads_per_rank": kv_heads_per_rank}
 
 
 def run_train(dims: ParallelDims) -> dict:
@@ -306,6 +330,13 @@ def test_fsdp2_prefix_suffix_gradients_match_single_process(fsdp2, reference):
 
 
 @pytest.mark.slow
+def test_fsdp2_packed_suffix_gradients_match_single_process(fsdp2, reference):
+    """packed_suffix_forward is a root entry point under FSDP2 too (registered like suffix_forward): the packed
+    suffixes' gradients equal the padded single-process ones."""
+    assert_grads_close(fsdp2["packed_suffix_grads"], reference["suffix_grads"])
+
+
+@pytest.mark.slow
 def test_fsdp2_shards_frozen_vision_tower_without_gradients(fsdp2, reference):
     assert fsdp2["vision_sharded"], "FSDP2 must shard the frozen vision tower too"
     assert not any(n.startswith("visual.") for n in fsdp2["frozen_grads"])
@@ -323,6 +354,7 @@ def test_tp2_forward_matches_single_process(tp2, reference):
 def test_tp2_suffix_forward_matches_single_process(tp2, reference):
     assert tp2["kv_heads_per_rank"] == ARGS.text.num_kv_heads // 2, "each TP rank keeps K/V of its own heads"
     assert_close(tp2["suffix"], reference["suffix"], "suffix hidden")
+    assert_close(tp2["packed_suffix"], reference["suffix"].reshape(tp2["packed_suffix"].shape), "packed suffix")
 
 
 # ---- FSDP2 x TP on 2 x 2 ranks -------------------------------------------------------------------------

@@ -38,13 +38,13 @@ def test_mfu_results_file(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "step_bench.py"), "--mfu", "--geometry", "debug",
            "--prompts", "1", "--prompt-tokens", "40", "--group", "2", "--response", "6", "--mean-response", "0",
-           "--repeats", "1", "--micro-batch", "2", "--modes", "decomposed", "serial", "--out", str(out)]
+           "--repeats", "1", "--micro-batch", "2", "--modes", "decomposed", "serial", "decomposed-padded", "--out", str(out)]
     subprocess.run(cmd, check=True, env=env, cwd=REPO_ROOT, capture_output=True, timeout=120)
     result = json.loads(out.read_text())
     for key in ("topic", "command", "device", "gpus", "torch", "transformers", "date", "rows"):
         assert key in result
     assert result["topic"] == "mfu" and result["peak_tflops"] > 0
-    assert [r["mode"] for r in result["rows"]] == ["decomposed", "serial"]
+    assert [r["mode"] for r in result["rows"]] == ["decomposed", "serial", "decomposed-padded"]
     for row in result["rows"]:
         assert row["ok"] and row["error"] == ""
         assert set(row["mfu"]) == {"prefill", "vision", "reference", "train"}
@@ -53,3 +53,5 @@ def test_mfu_results_file(tmp_path):
         assert row["logprob_mismatch"]["mean_abs_diff"] < 1e-4
     serial, decomposed = result["rows"][1]["pflop"], result["rows"][0]["pflop"]
     assert serial["reference"] > decomposed["reference"]  # the prompt once per sample, not once per prompt
+    # The padded layout (packing's before side) counts the same model FLOPs: only its time differs.
+    assert result["rows"][2]["pflop"] == decomposed

@@ -217,6 +217,8 @@ class RuntimeConfig:
     # computed in the rollout decode window on a second host thread (runtime/window.py); equal up to rounding
     reference_in_window: bool = False
     window_sample_batch: int = 0  # overlapped window: finished samples of a prompt per job; 0: half a group
+    # score only the valid tokens of a micro-batch (varlen; runtime/packing.py); false: rows padded to the longest
+    packed_scoring: bool = True
 
 
 @dataclass

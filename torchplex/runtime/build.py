@@ -37,6 +37,7 @@ def step_settings(cfg: Config) -> StepSettings:
                         temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size,
                         ppo_epochs=a.ppo_epochs, grad_clip=cfg.optimizer.grad_clip, loss=policy_loss_config(cfg),
                         plan=plan_options(cfg), checkpoint_prefix=cfg.runtime.checkpoint_prefix,
+                        packed_scoring=cfg.runtime.packed_scoring,
                         kv_pool_from_budget=cfg.rollout.kv_pool_gib == 0)
 
 

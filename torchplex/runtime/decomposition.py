@@ -28,12 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..data.batching import collate
 from ..models.attention import PrefixState
 from .overlap import PrefixStore, merge_prefix_states, prompt_part
+from .packing import PackedResponses, decomposed_predictors, packed_scores
 from .prefix_graphs import PrefixGraphs
 from .scoring import ScoreRequest, TokenCounts, _patches, response_scores
 
@@ -109,11 +109,14 @@ class DeferredPrefix:
 class DecomposedScorer:
     """split_prefix_backward: with autograd on, the suffixes read detached prefix leaves and `backward(loss)` runs
     the suffix part, then the prefix part (see the module docstring); False keeps one backward through both
-    (the same numbers up to summation order, plus a pending copy of the shared weights' gradients)."""
+    (the same numbers up to summation order, plus a pending copy of the shared weights' gradients).
+    pack: run a micro-batch's suffixes as one packed token dimension (runtime/packing.py), not padded to the
+    longest response."""
 
     def __init__(self, pad_id: int = 0, checkpoint_prefix: bool = False, vision_cache: VisionCache | None = None,
-                 split_prefix_backward: bool = True):
+                 split_prefix_backward: bool = True, pack: bool = True):
         self.pad_id = pad_id
+        self.pack = pack
         self.checkpoint_prefix = checkpoint_prefix
         self.split_prefix_backward = split_prefix_backward
         self._deferred: list[DeferredPrefix] = []  # prefix parts of scored losses, until `backward` runs them
@@ -235,6 +238,11 @@ class DecomposedScorer:
 
     def _suffix_scores(self, model, prefix: PrefixState, request: ScoreRequest, temperature: float,
                        with_entropy: bool, prompt_tokens: int):
+        if self.pack:
+            layout = PackedResponses(request)
+            self._count(request, prompt_tokens, layout.count)
+            hidden = decomposed_predictors(model, prefix, request, layout)
+            return packed_scores(model, hidden, layout, request.tokens, temperature, with_entropy)
         device = request.tokens.device
         owner = torch.tensor(request.prompt_index, device=device)
         first = prefix.last_hidden[owner][:, None]  # predicts response token 0
@@ -244,12 +252,14 @@ class DecomposedScorer:
             hidden = torch.cat([first, rest], dim=1)
         else:
             hidden = first
-        response_tokens = int(request.lengths.sum())
+        self._count(request, prompt_tokens, int(request.lengths.sum()))
+        return response_scores(model, hidden, request.tokens, temperature, with_entropy)
+
+    def _count(self, request: ScoreRequest, prompt_tokens: int, response_tokens: int) -> None:
         self.counts.add(TokenCounts(prefix_tokens=prompt_tokens, response_tokens=response_tokens,
                                     vision_patches=sum(_patches(p) for p in request.prompts)))
         self.serial_equivalent_tokens += sum(len(request.prompts[i].input_ids) for i in request.prompt_index)
         self.serial_equivalent_tokens += response_tokens
-        return response_scores(model, hidden, request.tokens, temperature, with_entropy)
 
     def rollout_prefill(self, model):
         """A no-grad prefill for the rollout engine that takes the visual embeddings from this step's cache, so the

@@ -50,6 +50,7 @@ class StepSettings:
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     plan: PlanOptions = field(default_factory=PlanOptions)
     checkpoint_prefix: bool = False  # activation checkpointing of the prompt prefix forward
+    packed_scoring: bool = True  # scorers run a micro-batch's valid tokens only (runtime/packing.py)
     kv_pool_from_budget: bool = False  # size the engine's KV pool each step from the memory budget (kv_pool_gib 0)
 
 
@@ -98,8 +99,9 @@ class StepRunner:
         if memory is not None:
             self.attach_memory(memory)
         mode = settings.plan.mode
-        self.scorer = (SerialScorer(pad_id) if mode == "serial"
-                       else DecomposedScorer(pad_id, checkpoint_prefix=settings.checkpoint_prefix))
+        self.scorer = (SerialScorer(pad_id, pack=settings.packed_scoring) if mode == "serial"
+                       else DecomposedScorer(pad_id, checkpoint_prefix=settings.checkpoint_prefix,
+                                             pack=settings.packed_scoring))
         if settings.plan.ref_prefix_graphs and mode != "serial" and reference is not None:
             if not plain_tensors(reference):
                 raise ValueError("runtime.ref_prefix_graphs needs a reference model of plain tensors (tp 1, not FSDP2-"

@@ -63,9 +63,9 @@ def score_request(prompts: list, group_size: int, samples: Sequence[int], tokens
     them, and their distinct prompts in order."""
     owners = sorted({s // group_size for s in samples})
     slot = {b: i for i, b in enumerate(owners)}
-    width = int(lengths.max())
-    return ScoreRequest([prompts[b] for b in owners], [slot[s // group_size] for s in samples], tokens[:, :width],
-                        lengths)
+    host = [int(n) for n in lengths.tolist()]  # one transfer, kept for packing (no later syncs)
+    return ScoreRequest([prompts[b] for b in owners], [slot[s // group_size] for s in samples],
+                        tokens[:, :max(host)], lengths, host)
 
 
 def request_from_outputs(prompts: list, group_size: int, samples: Sequence[int], token_ids: Sequence[Sequence[int]],

@@ -16,6 +16,7 @@ import torch
 
 from ..data.batching import collate, encode_visuals
 from ..rl.logprobs import entropy_from_hidden, logprobs_from_hidden
+from .packing import PackedResponses, packed_scores, serial_predictors
 
 
 @dataclass
@@ -26,6 +27,12 @@ class ScoreRequest:
     prompt_index: list[int]       # (S,)
     tokens: torch.Tensor          # (S, R) right-padded response tokens
     lengths: torch.Tensor         # (S,) valid response tokens
+    lengths_list: list[int] | None = None  # the same on the host, when the caller has them (no device sync)
+
+    def host_lengths(self) -> list[int]:
+        if self.lengths_list is None:
+            self.lengths_list = [int(n) for n in self.lengths.tolist()]
+        return self.lengths_list
 
     @property
     def mask(self) -> torch.Tensor:
@@ -80,13 +87,23 @@ def response_scores(model, hidden: torch.Tensor, tokens: torch.Tensor, temperatu
 
 
 class SerialScorer:
-    """Each response as its own full prompt+response sequence (vision and prompt recomputed per sample)."""
+    """Each response as its own full prompt+response sequence (vision and prompt recomputed per sample).
 
-    def __init__(self, pad_id: int = 0):
+    pack: run the rows' valid tokens packed (runtime/packing.py), not padded to the longest row."""
+
+    def __init__(self, pad_id: int = 0, pack: bool = True):
         self.pad_id = pad_id
+        self.pack = pack
         self.counts = TokenCounts()
 
     def score(self, model, request: ScoreRequest, temperature: float, with_entropy: bool = False):
+        if self.pack:
+            layout = PackedResponses(request)
+            hidden, prompts = serial_predictors(model, request, layout, self.pad_id)
+            self.counts.add(TokenCounts(prefix_tokens=sum(len(p.input_ids) for p in prompts),
+                                        response_tokens=layout.count,
+                                        vision_patches=sum(_patches(p) for p in prompts)))
+            return packed_scores(model, hidden, layout, request.tokens, temperature, with_entropy)
         device = request.tokens.device
         responses = [request.tokens[s, :int(request.lengths[s])].tolist() for s in range(request.tokens.shape[0])]
         prompts = [request.prompts[i] for i in request.prompt_index]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..activations import activation
 from ..attention import CausalAttention, PrefixAttention, PrefixState, SharedPrefixAttention
+from ..packing import PackedCausalAttention, PackedSuffixAttention, upload
 from .args import ModelArgs, TextArgs, VisionArgs
 from .rope_index import text_positions
 from .rope_scaling import text_inv_freq
@@ -343,14 +344,16 @@ class Qwen2_5_VLModel(nn.Module):
 
     # ---- shared pieces ----------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None,
-              video_embeds: torch.Tensor | None = None, prompt_lengths: torch.Tensor | None = None) -> torch.Tensor:
+              video_embeds: torch.Tensor | None = None, prompt_lengths: torch.Tensor | None = None,
+              prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings with visual embeddings spliced in at the image/video pad tokens, in order.
 
         With `prompt_lengths` (B,), only the first prompt_lengths[b] tokens of row b can be visual slots: a pad id
-        that a policy happened to sample in its response is an ordinary token there.
+        that a policy happened to sample in its response is an ordinary token there. `prompt_mask` (B, T) says
+        the same per token, for packed rows.
         """
         h = self.tok_embeddings(input_ids)
-        in_prompt = None
+        in_prompt = prompt_mask
         if prompt_lengths is not None:
             in_prompt = torch.arange(input_ids.shape[1], device=input_ids.device)[None] < prompt_lengths[:, None]
         for token_id, embeds, kind in ((self.args.image_token_id, image_embeds, "image"),
@@ -417,3 +420,28 @@ class Qwen2_5_VLModel(nn.Module):
         positions = text_positions(prefix.next_position[prefix_index], r)
         h = self.tok_embeddings(tokens)
         return self.decode(h, positions, SharedPrefixAttention(prefix, prefix_index, suffix_lens))
+
+    # ---- packed (varlen) variants: valid tokens only, no padding ---------------------------------------
+    def packed_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, lengths: list[int], *,
+                       image_embeds: torch.Tensor | None = None, video_embeds: torch.Tensor | None = None,
+                       prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states (N, D) of sequences packed back to back: input_ids (N,), position_ids (3, N), each
+        sequence's length in `lengths` (host ints, summing to N); plain causal attention within each."""
+        h = self.embed(input_ids[None], image_embeds, video_embeds,
+                       prompt_mask=None if prompt_mask is None else prompt_mask[None])
+        return self.decode(h, position_ids[:, None], PackedCausalAttention(lengths, input_ids.device))[0]
+
+    def packed_suffix_forward(self, prefix: PrefixState, tokens: torch.Tensor, owners: list[int],
+                              lengths: list[int], prefix_lengths: list[int] | None = None) -> torch.Tensor:
+        """Hidden states (N, D) of packed suffix tokens (N,): suffix s is the next lengths[s] tokens and continues
+        prompt owners[s] (host ints; lengths may be 0). The same numbers as suffix_forward's valid rows."""
+        if prefix_lengths is None:
+            prefix_lengths = prefix.lengths.tolist()
+        device = tokens.device
+        owner_of = torch.tensor([o for o, n in zip(owners, lengths) for _ in range(n)], dtype=torch.long)
+        offset = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.long)
+        # Text continuing each prompt: its next position plus the offset in the suffix, on all three axes.
+        positions = (prefix.next_position[upload(owner_of, device)] + upload(offset, device)).expand(3, 1, -1)
+        h = self.tok_embeddings(tokens)[None]
+        attn = PackedSuffixAttention(prefix, owners, lengths, prefix_lengths)
+        return self.decode(h, positions, attn)[0]

@@ -38,7 +38,8 @@ from .model import Qwen2_5_VLModel
 # `logits` reads without a module call), wire its gradients into the reduce-scatter, and, for whichever
 # runs first, initialise FSDP with the model as root (encode_vision would otherwise make the tower root).
 # `embed` and `decode` are internals of these and are not safe to call directly under FSDP.
-ROOT_METHODS = ("encode_vision", "prefix_forward", "suffix_forward", "logits")
+ROOT_METHODS = ("encode_vision", "prefix_forward", "suffix_forward", "packed_forward", "packed_suffix_forward",
+                "logits")
 
 DECODER_LAYER_TP_PLAN = {
     "attention.wq": ColwiseParallel(),
