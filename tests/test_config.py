@@ -421,3 +421,25 @@ def test_relative_paths_mean_the_toml_folder_in_a_file_and_the_callers_folder_on
     monkeypatch.delenv("TORCHPLEX_CALLER_DIR")
     relative = load_config(["--job.config_file", "cfg.toml"])  # the config file itself: the caller's folder too
     assert relative.job.config_file == path and relative.data.train_file == str(conf / "data" / "train.jsonl")
+
+
+def test_data_file_patterns_are_relative_to_the_toml_too(tmp_path, monkeypatch):
+    """Issue 21 defect 6 for users' data files (issue 22's data.train_files / eval_files, lists of globs): relative
+    patterns in a TOML mean its folder, on the command line the caller's."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    path = write_toml(conf, '[data]\ntrain_files = ["data/train-*.parquet", "/abs/x.jsonl"]\n')
+    monkeypatch.setenv("TORCHPLEX_CALLER_DIR", str(tmp_path))
+    cfg = load_config(["--job.config_file", path, "--data.eval_files", '["test.parquet"]'])
+    assert cfg.data.train_files == [str(conf / "data" / "train-*.parquet"), "/abs/x.jsonl"]
+    assert cfg.data.eval_files == [str(tmp_path / "test.parquet")]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "train_configs").glob("*.toml")))
+def test_shipped_configs_write_runs_and_outputs_at_the_repo_root(name):
+    """Every shipped config's relative run folder and tiny checkpoint mean the repo's runs/ and outputs/ (a TOML's
+    paths are relative to train_configs/, so "runs" there would be train_configs/runs)."""
+    cfg = load_config(["--job.config_file", str(REPO / "train_configs" / name)])
+    assert Path(cfg.job.output_dir) == REPO / "runs"
+    if not cfg.model.hf_checkpoint.startswith("/path/to"):
+        assert Path(cfg.model.hf_checkpoint).parent == REPO / "outputs"

@@ -546,7 +546,8 @@ def _origin_of(argv: list[str]) -> str:
 # Keys naming a file or folder. A relative value is relative to the TOML's folder when the file sets it, and to the
 # folder the command was run from when the command line sets it (a default is left as it is); run_train.sh, which moves to the
 # repo root, passes that folder as TORCHPLEX_CALLER_DIR. The config then holds absolute paths, so errors name them.
-PATH_KEYS = ("job.output_dir", "model.hf_checkpoint", "data.train_file", "data.eval_file", "data.synthetic_dir")
+PATH_KEYS = ("job.output_dir", "model.hf_checkpoint", "data.train_file", "data.eval_file", "data.synthetic_dir",
+             "data.train_files", "data.eval_files")  # the last two: lists of glob patterns
 
 
 def caller_dir() -> Path:
@@ -564,7 +565,8 @@ def _resolve_paths(cfg: Config, bases: dict[str, Path]) -> None:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if key in PATH_KEYS and value:
-            setattr(getattr(cfg, section), name, _absolute(value, base))
+            absolute = [_absolute(v, base) for v in value] if isinstance(value, list) else _absolute(value, base)
+            setattr(getattr(cfg, section), name, absolute)
 
 
 def _load(argv: list[str]) -> Config:
