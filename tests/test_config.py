@@ -443,3 +443,9 @@ def test_shipped_configs_write_runs_and_outputs_at_the_repo_root(name):
     assert Path(cfg.job.output_dir) == REPO / "runs"
     if not cfg.model.hf_checkpoint.startswith("/path/to"):
         assert Path(cfg.model.hf_checkpoint).parent == REPO / "outputs"
+
+
+def test_a_config_with_data_file_patterns_saves_and_loads_again(tmp_path):
+    cfg = load_config([f"--data.train_files=[\"{tmp_path}/train-*.parquet\"]", "--data.eval_files=[\"e.jsonl\"]"])
+    again = load_file(str(cfg.save(tmp_path / "saved.toml")))
+    assert again.data.train_files == [f"{tmp_path}/train-*.parquet"] and Path(again.data.eval_files[0]).is_absolute()

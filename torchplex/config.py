@@ -554,7 +554,9 @@ def caller_dir() -> Path:
     return Path(os.environ.get("TORCHPLEX_CALLER_DIR") or os.getcwd())
 
 
-def _absolute(value: str, base: Path) -> str:
+def _absolute(value: str | list[str], base: Path) -> str | list[str]:
+    if isinstance(value, list):  # data.train_files / eval_files: glob patterns
+        return [_absolute(v, base) for v in value]
     path = Path(value).expanduser()
     return os.path.normpath(path if path.is_absolute() else base / path)
 
@@ -565,8 +567,7 @@ def _resolve_paths(cfg: Config, bases: dict[str, Path]) -> None:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if key in PATH_KEYS and value:
-            absolute = [_absolute(v, base) for v in value] if isinstance(value, list) else _absolute(value, base)
-            setattr(getattr(cfg, section), name, absolute)
+            setattr(getattr(cfg, section), name, _absolute(value, base))
 
 
 def _load(argv: list[str]) -> Config:
