@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_runtime import bench_config  # noqa: E402
-from benchmarks.step_bench import NullTokenizer, bench_flavor, build, long_tail_stops, make_prompt, sync  # noqa: E402
+from benchmarks.step_bench import (NullTokenizer, bench_flavor, build_policy, long_tail_stops, make_prompt,  # noqa: E402
+                                   sync)
 from torchplex.components.metrics import PhaseTimer  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
 from torchplex.rollout.sampling import SamplingParams  # noqa: E402
@@ -195,14 +196,7 @@ def main(argv=None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
     args = bench_flavor(a.geometry)
-    actor = build(args, dtype, device, 0)
-    reference = build(args, dtype, device, 1).eval().requires_grad_(False)
-    if a.freeze_vision:
-        actor.visual.requires_grad_(False)
-        reference.visual = actor.visual
-    # lr 0: AdamW does all its work but leaves the weights, so every row samples from the same policy
-    optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=0.0,
-                                  foreach=device.type != "cuda", fused=device.type == "cuda")
+    actor, reference, optimizer = build_policy(args, dtype, device, a.freeze_vision)
     engine = RolloutEngine(actor, kv_pool_bytes=int(a.kv_pool_gib * 2**30), compile_decode=device.type == "cuda",
                            max_batch=max(a.prompt_list) * a.group)
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0,

@@ -75,6 +75,19 @@ def build(args, dtype, device, seed):
     return model
 
 
+def build_policy(args, dtype, device, freeze_vision: bool):
+    """Actor, reference (the frozen tower shared) and an AdamW at lr 0: it does all its work but leaves the weights,
+    so every mode, repeat and row samples from the same policy."""
+    actor = build(args, dtype, device, 0)
+    reference = build(args, dtype, device, 1).eval().requires_grad_(False)
+    if freeze_vision:
+        actor.visual.requires_grad_(False)
+        reference.visual = actor.visual
+    optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=0.0,
+                                  foreach=device.type != "cuda", fused=device.type == "cuda")
+    return actor, reference, optimizer
+
+
 def bench_flavor(geometry: str, vision_depth: int = 0):
     """ModelArgs of a named flavor for benchmarks: the debug flavor gets token ids inside its small vocabulary, and
     `vision_depth` > 0 cuts the vision tower to that many blocks (the last one full-attention)."""
@@ -138,15 +151,8 @@ def full_steps(a, args, dtype, device, prompts):
     from torchplex.runtime.build import build_step_runtime
     from torchplex.runtime.timeline import draw_timelines
 
-    actor = build(args, dtype, device, 0)
-    reference = build(args, dtype, device, 1).eval().requires_grad_(False)
-    if a.freeze_vision:
-        actor.visual.requires_grad_(False)
-        reference.visual = actor.visual
-    # lr 0: AdamW does all its work but leaves the weights, so every mode and repeat samples from the same policy
-    # and the token check below compares like with like.
-    optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=0.0,
-                                  foreach=device.type != "cuda", fused=device.type == "cuda")
+    # the same policy in every mode and repeat, so the token check below compares like with like
+    actor, reference, optimizer = build_policy(args, dtype, device, a.freeze_vision)
     engine = RolloutEngine(actor, kv_pool_bytes=int(a.kv_pool_gib * 2**30), compile_decode=device.type == "cuda")
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0,
                             stop_token_ids=long_tail_stops(args.text.vocab_size, a.mean_response))
