@@ -35,7 +35,7 @@ from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.logprob_mismatch import mismatch_sums
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.decomposition import DecomposedScorer
-from torchplex.runtime.grpo_step import Experience
+from torchplex.runtime.grpo_step import Experience, padded_outputs
 from torchplex.runtime.scoring import SerialScorer
 
 PHASES = ("prefill", "vision", "reference", "train")
@@ -80,12 +80,7 @@ def rollout_experience(actor, prompts, group: int, max_new: int, stops: list[int
     sync(device)
     rollout_s = time.perf_counter() - t
     flat = [o for g in outputs for o in g]
-    width = max(len(o.token_ids) for o in flat)
-    tokens = torch.zeros(len(flat), width, dtype=torch.long)
-    sampling = torch.zeros(len(flat), width)
-    for s, o in enumerate(flat):
-        tokens[s, :len(o.token_ids)] = torch.tensor(o.token_ids)
-        sampling[s, :len(o.logprobs)] = torch.tensor(o.logprobs)
+    tokens, sampling = padded_outputs(flat)
     rewards = torch.rand(len(flat), generator=torch.Generator().manual_seed(1))
     exp = Experience(prompts=prompts, answers=[""] * len(prompts), group_size=group, tokens=tokens.to(device),
                      lengths=torch.tensor([len(o.token_ids) for o in flat], device=device),

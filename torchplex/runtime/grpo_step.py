@@ -101,17 +101,23 @@ def micro_batches(samples: list[int], group_size: int, micro_batch_size: int, wh
     return [[s for g in groups[i:i + per] for s in g] for i in range(0, len(groups), per)]
 
 
-def build_experience(prompts: list, answers: list[str], outputs: list[list[SampleOutput]], tokenizer,
-                     reward_names: list[str], reward_weights: list[float], advantage: str,
-                     dynamic_sampling: bool, device) -> Experience:
-    group = len(outputs[0])
-    flat = [o for g in outputs for o in g]
+def padded_outputs(flat: Sequence[SampleOutput]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, sampling log-probs) of the samples as (S, longest) host tensors, zeros after each response."""
     width = max(len(o.token_ids) for o in flat)
     tokens = torch.zeros(len(flat), width, dtype=torch.long)
     sampling_lp = torch.zeros(len(flat), width)
     for s, o in enumerate(flat):
         tokens[s, :len(o.token_ids)] = torch.tensor(o.token_ids)
         sampling_lp[s, :len(o.logprobs)] = torch.tensor(o.logprobs)
+    return tokens, sampling_lp
+
+
+def build_experience(prompts: list, answers: list[str], outputs: list[list[SampleOutput]], tokenizer,
+                     reward_names: list[str], reward_weights: list[float], advantage: str,
+                     dynamic_sampling: bool, device) -> Experience:
+    group = len(outputs[0])
+    flat = [o for g in outputs for o in g]
+    tokens, sampling_lp = padded_outputs(flat)
     texts = tokenizer.batch_decode([o.token_ids for o in flat], skip_special_tokens=True)
     sample_answers = [answers[s // group] for s in range(len(flat))]
     total, parts = combine_rewards(texts, sample_answers, reward_names, reward_weights)
