@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 
 import torch
 
@@ -180,14 +181,29 @@ def kernel_category(name: str) -> str:
 
 def profile_phase(work, device) -> dict:
     """GPU time of one run of `work` by kernel category, and the host gaps: wall time not covered by any kernel."""
+    out: dict = {}
+    with profiled(device, out):
+        work()
+    return out
+
+
+@contextmanager
+def profiled(device, into: dict):
+    """Profile the enclosed code; on exit `into` holds profile_phase's summary of it."""
     from torch.profiler import ProfilerActivity, profile
 
     sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
-        work()
+        yield
         sync(device)
         wall = time.perf_counter() - t
+    into.update(kernel_summary(prof, wall))
+
+
+def kernel_summary(prof, wall: float) -> dict:
+    """Kernel time by category and the 12 largest kernels of a finished profile, and the host gaps: wall time
+    not covered by any kernel."""
     spans, by_cat, top = [], {}, {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:

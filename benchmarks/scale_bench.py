@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,7 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_runtime import bench_config  # noqa: E402
 from benchmarks.step_bench import (NullTokenizer, bench_flavor, build_policy, long_tail_stops, make_prompt,  # noqa: E402
                                    sync)
+from benchmarks.phase_mfu import (grids_of, logprob_mismatch, matmul_peak, phase_flops, profiled,  # noqa: E402
+                                  run_prefill)
+from torchplex.components.flops import TRAIN_FACTOR, mfu, prefill_flops  # noqa: E402
 from torchplex.components.metrics import PhaseTimer  # noqa: E402
+from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
 from torchplex.rollout.sampling import SamplingParams  # noqa: E402
 from torchplex.runtime.build import build_step_runtime  # noqa: E402
@@ -42,7 +47,7 @@ from torchplex.runtime.build import build_step_runtime  # noqa: E402
 WORKLOADS = {"img": dict(prompt_tokens=1024, video=None, mean_response=256, response=1024),
              "vid": dict(prompt_tokens=0, video=(32, 448), mean_response=256, response=1024),
              "img-small": dict(prompt_tokens=1024, video=None, mean_response=128, response=512)}
-MODES = ("serial", "decomposed", "overlapped")
+MODES = ("serial", "decomposed", "overlapped", "overlapped-window")  # -window: the reference in the decode window
 STAGES = ("vision", "rollout", "ref", "train")
 
 
@@ -90,33 +95,106 @@ def memory_record(out, runner, engine, phase_timer: PhaseTimer) -> dict:
                          "stage_peak_bytes": dict(phase_timer.peak_bytes)}}
 
 
-def run_row(a, mode: str, P: int, runner, engine, prompts, params, device) -> dict:
+def step_flops(args, exp, mode: str, forms: list[str], vision_stage: bool) -> dict:
+    """Counted FLOPs (components/flops.py) of each compute phase of one step of `mode` over its experience:
+    the rollout prefill (vision inside), the reference, training, and (frozen tower) the step's one vision pass.
+    Overlapped: a prompt whose actor prefix was held from the fused prefill (form graph or compact) runs only that
+    prefix's backward in training; its forward is the prefill's. Recomputation is not counted (model FLOPs)."""
+    base = "serial" if mode == "serial" else "decomposed"
+    vision_trains = not vision_stage
+    f = phase_flops(args, exp, base, vision_trains)
+    lens = [len(p.input_ids) for p in exp.prompts]
+    grids = [grids_of(p) for p in exp.prompts]
+    prefill = prefill_flops(args, lens, [x for gs in grids for x in gs])
+    train, ref = f["train"], f["reference"]
+    if vision_stage and base != "serial":  # the step's one vision pass serves the prefill, reference and train
+        ref.vision = train.vision = prefill.vision = 0.0
+    for i, form in enumerate(forms):
+        if form in ("graph", "compact"):
+            held = prefill_flops(args, [lens[i]], grids[i], logit_tokens=0)
+            held.vision = held.vision if vision_trains else 0.0
+            train = train + held.scaled(-1.0)
+    out = {"prefill": prefill, "reference": ref, "train": train}
+    if vision_stage:
+        out["vision"] = f["vision"]
+    return out
+
+
+def row_mfu(args, out, mode: str, phases: dict, prefill_s: float, peak: float) -> dict:
+    """MFU and PFLOP of each compute phase of this step (issue 19's `mfu` object) and the rollout-vs-trainer
+    log-prob mismatch of its sampled tokens."""
+    forms = [c.form for c in out.schedule.prefix_forms] or ["none"] * len(out.experience.prompts)
+    flops = step_flops(args, out.experience, mode, forms, "vision" in phases)
+    seconds = {"prefill": prefill_s, "reference": phases.get("ref", 0.0), "train": phases.get("train", 0.0),
+               "vision": phases.get("vision", 0.0)}
+    return {"mfu": {k: mfu(v.total, seconds[k], peak) for k, v in flops.items()},
+            "pflop": {k: v.total / 1e15 for k, v in flops.items()},
+            "prefill_s": prefill_s, "peak_tflops": peak / 1e12,
+            "logprob_mismatch": logprob_mismatch(out.experience) if out.experience.old_logprobs is not None else None}
+
+
+class ProfilingTimer(PhaseTimer):
+    """A PhaseTimer that also profiles the stages named in `stages` (kernel time by category, host gaps)."""
+
+    def __init__(self, device, stages=("vision", "ref", "train")):
+        super().__init__(device)
+        self.stages, self.profiles = stages, {}
+
+    @contextmanager
+    def phase(self, name):
+        with super().phase(name):
+            if str(name) in self.stages:
+                with profiled(self.device, self.profiles.setdefault(str(name), {})):
+                    yield
+            else:
+                yield
+
+
+def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_up: bool = True,
+            peak: float = 0.0) -> dict:
     row = {"workload": a.workload, "geometry": a.geometry, "prompts": P, "group": a.group, "mode": mode,
            "step_s": 0.0, "phases_s": {}, "peak_gib": 0.0, "samples": P * a.group, "tokens": 0, "ok": True,
            "error": ""}
-    steps, phases, peak, out, timer = [], {k: [] for k in STAGES}, 0, None, PhaseTimer(device)
-    for rep in range(a.repeats + 1):  # the first step warms up allocators, compilations and the measured rate
+    steps, phases, peak_bytes, out, timer = [], {k: [] for k in STAGES}, 0, None, PhaseTimer(device)
+    prefill, timed = [], []
+    # the first step warms up allocators, compilations and the measured rates; --warmup first: only the first
+    # mode at each P (the decode step's compilation and capture are the engine's, shared by the modes)
+    first = 0 if (warm_up or not a.repeats) else 1
+    for rep in range(first, a.repeats + 1):
         timer.reset()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        prefill_before = engine.stats.prefill_s
         t = time.perf_counter()
         out = runner.run(prompts, [""] * P, params, phase_timer=timer)
         sync(device)
         step_s = time.perf_counter() - t
         print(f"[scale_bench {time.strftime('%H:%M:%S')}] {a.workload} P={P} {mode} {'timed' if rep else 'warm-up'} "
-              f"step {step_s:.2f}s", flush=True)
-        peak = max(peak, max(timer.peak_bytes.values(), default=0))
+              f"step {step_s:.2f}s " + " ".join(f"{k} {out.timeline.total_s(k):.2f}s" for k in STAGES), flush=True)
+        peak_bytes = max(peak_bytes, max(timer.peak_bytes.values(), default=0))
         if rep or not a.repeats:
             steps.append(step_s)
+            prefill.append(engine.stats.prefill_s - prefill_before)
+            timed.append(out)
             for k in STAGES:
                 phases[k].append(out.timeline.total_s(k))
     exp = out.experience
-    row.update(step_s=statistics.median(steps), peak_gib=peak / 2**30,
+    row.update(step_s=statistics.median(steps), peak_gib=peak_bytes / 2**30,
                phases_s={k: statistics.median(v) for k, v in phases.items() if any(v)},
                tokens=int(exp.lengths.sum()) + sum(len(p.input_ids) for p in prompts) * a.group,
-               response_tokens=int(exp.lengths.sum()), memory=memory_record(out, runner, engine, timer))
+               response_tokens=int(exp.lengths.sum()), memory=memory_record(out, runner, engine, timer),
+               warm_up_step=bool(first == 0 and a.repeats))
     row["s_per_sample"] = row["step_s"] / row["samples"]
+    if peak:
+        row.update(row_mfu(runner.actor.args, out, mode, row["phases_s"], statistics.median(prefill), peak))
+    if a.profile and (P, mode) == a.profile:
+        ptimer, prefill_profile = ProfilingTimer(device), {}
+        with profiled(device, prefill_profile):
+            run_prefill(engine, prompts)  # the engine's prefill batches, alone
+        runner.run(prompts, [""] * P, params, phase_timer=ptimer)
+        row["profile"] = {"prefill": prefill_profile, **ptimer.profiles}
     return row
+
 
 
 def failed_row(a, mode: str, P: int, error: str) -> dict:
@@ -157,7 +235,8 @@ def parse(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="img", choices=sorted(WORKLOADS))
     ap.add_argument("--prompts", default="8,32,64", help="comma-separated prompts per step")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    ap.add_argument("--modes", default="serial,decomposed,overlapped", help="comma-separated subset of "
+                    + ",".join(MODES) + ", run in this order at each P")
     ap.add_argument("--geometry", default="7B")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--group", type=int, default=8)
@@ -172,6 +251,15 @@ def parse(argv=None):
     ap.add_argument("--kv-pool-gib", type=float, default=0.0, help="rollout.kv_pool_gib (0: sized from the budget)")
     ap.add_argument("--managed", action="store_true", help="memory.managed: offload groups between stages")
     ap.add_argument("--freeze-vision", action="store_true")
+    ap.add_argument("--warmup", default="each", choices=["each", "first"],
+                    help="a warm-up step before each mode's timed steps, or only before the first mode's at each P")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="model.activation_checkpointing: the actor's decoder layers and vision blocks recompute")
+    ap.add_argument("--padded", action="store_true", help="runtime.packed_scoring false: score padded rows")
+    ap.add_argument("--profile", default="", help="P:MODE: one more step of that row under torch.profiler "
+                    "(kernel time by category per phase, in the row's `profile`)")
+    ap.add_argument("--plot-from", nargs="+", default=[],
+                    help="results files of earlier runs: only draw their rows (one workload) into --plot and stop")
     ap.add_argument("--max-step-s", type=float, default=240.0, help="a mode past this is not run at larger P")
     ap.add_argument("--out", default="", help="results JSON (default benchmarks/results/scale-DATE-<workload>.json)")
     ap.add_argument("--plot", default="",
@@ -185,6 +273,7 @@ def parse(argv=None):
     a.mean_response = w["mean_response"] if a.mean_response < 0 else a.mean_response
     a.prompt_list = [int(x) for x in a.prompts.split(",") if x]
     a.mode_list = [m for m in a.modes.split(",") if m]
+    a.profile = (int(a.profile.split(":")[0]), a.profile.split(":")[1]) if a.profile else None
     unknown = set(a.mode_list) - set(MODES)
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
@@ -193,28 +282,53 @@ def parse(argv=None):
 
 def main(argv=None) -> dict:
     a = parse(argv)
+    if a.plot_from:  # rows of several runs (e.g. one process per P) in one chart
+        files = [json.loads(Path(f).read_text()) for f in a.plot_from]
+        rows = [r for f in files for r in f["rows"] if r["workload"] == a.workload]
+        plot = Path(a.plot or f"docs/img/scale-{a.workload}.png")
+        first = files[0]
+        draw(rows, plot, f"{a.workload}, {rows[0]['geometry'] if rows else a.geometry}, G={a.group} ({first['device']})")
+        print(f"wrote {plot} from {len(rows)} rows")
+        return {"rows": rows}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
     args = bench_flavor(a.geometry)
+    peak = matmul_peak(device)  # the dense matmul rate the rows' MFU divide by, measured in this process
+    print(f"[scale_bench] dense matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
     actor, reference, optimizer = build_policy(args, dtype, device, a.freeze_vision)
+    if a.activation_checkpointing:
+        apply_activation_checkpointing(actor)
     engine = RolloutEngine(actor, kv_pool_bytes=int(a.kv_pool_gib * 2**30), compile_decode=device.type == "cuda",
                            max_batch=max(a.prompt_list) * a.group)
+    engine.time_prefill = True  # prefill_s as device time: the rows' prefill MFU
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0,
                             stop_token_ids=long_tail_stops(args.text.vocab_size, a.mean_response))
     rows, stopped = [], {}
+    result = {"topic": "scale", "command": "python benchmarks/scale_bench.py " + " ".join(argv or sys.argv[1:]),
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "gpus": 1 if device.type == "cuda" else 0, "torch": torch.__version__,
+              "transformers": _transformers_version(), "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+              "peak_tflops": peak / 1e12, "activation_checkpointing": a.activation_checkpointing,
+              "packed_scoring": not a.padded, "rows": rows}
+    out = Path(a.out or f"benchmarks/results/scale-{time.strftime('%Y%m%d', time.gmtime())}-{a.workload}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     for P in a.prompt_list:
         prompts = workload_prompts(args, a, P)
-        for mode in a.mode_list:
+        for k, mode in enumerate(a.mode_list):
             if mode in stopped:
                 rows.append(failed_row(a, mode, P, stopped[mode]))
                 continue
-            cfg = bench_config(mode, micro_batch=a.micro_batch)
+            cfg = bench_config(mode.removesuffix("-window"), micro_batch=a.micro_batch,
+                               window=mode.endswith("-window"))
             cfg.rollout.kv_pool_gib, cfg.memory.budget_gib, cfg.memory.managed = (a.kv_pool_gib, a.memory_budget_gib,
                                                                                   a.managed)
+            cfg.model.activation_checkpointing = a.activation_checkpointing
+            cfg.runtime.packed_scoring = not a.padded
             runner = None
             try:
                 runner = build_step_runtime(cfg, actor, reference, engine, optimizer, None, NullTokenizer())
-                row = run_row(a, mode, P, runner, engine, prompts, params, device)
+                row = run_row(a, mode, P, runner, engine, prompts, params, device,
+                              warm_up=a.warmup == "each" or k == 0, peak=peak)
                 if row["step_s"] > a.max_step_s:
                     stopped[mode] = (f"skipped: the step at P={P} took {row['step_s']:.0f} s > --max-step-s "
                                      f"{a.max_step_s:.0f}")
@@ -233,13 +347,7 @@ def main(argv=None) -> dict:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             rows.append(row)
-    result = {"topic": "scale", "command": "python benchmarks/scale_bench.py " + " ".join(argv or sys.argv[1:]),
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "gpus": 1 if device.type == "cuda" else 0, "torch": torch.__version__,
-              "transformers": _transformers_version(), "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
-              "rows": rows}
-    out = Path(a.out or f"benchmarks/results/scale-{time.strftime('%Y%m%d', time.gmtime())}-{a.workload}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2))  # after every row: a run stopped at its limit keeps its rows
     out.write_text(json.dumps(result, indent=2))
     plot = Path(a.plot or f"docs/img/scale-{a.workload}.png")
     draw(rows, plot, f"{a.workload}, {a.geometry}, G={a.group} ({result['device']})")

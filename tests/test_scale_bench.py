@@ -46,3 +46,36 @@ def test_video_workload_prompt_has_the_workloads_token_count_and_runs(tmp_path):
                              "--modes", "overlapped", "--out", str(tmp_path / "v.json"),
                              "--plot", str(tmp_path / "v.png")])["rows"]
     assert rows[0]["ok"], rows[0]["error"]
+
+
+def test_scale_rows_carry_phase_mfu_counted_from_the_step_and_a_profile(tmp_path):
+    """Issue 19's `mfu` object on scale rows: training counts 3x the reference's forward FLOPs in decomposed mode
+    (trainable tower); overlapped training lacks the held prefixes' forward, which the fused prefill ran (so its
+    train PFLOP is 3x reference minus exactly the prefill's FLOPs when every prompt is held); --warmup first gives
+    only the first mode a warm-up step; --profile adds kernel time by category for the prefill, ref and train."""
+    out = tmp_path / "s.json"
+    result = scale_bench.main(["--geometry", "debug", "--dtype", "float32", "--prompt-tokens", "32", "--response", "4",
+                               "--group", "2", "--micro-batch", "4", "--repeats", "1", "--prompts", "2",
+                               "--modes", "decomposed,overlapped", "--warmup", "first", "--profile", "2:decomposed",
+                               "--out", str(out), "--plot", str(tmp_path / "s.png")])
+    dec, ovl = result["rows"]
+    assert dec["ok"] and ovl["ok"] and result["peak_tflops"] > 0
+    assert dec["warm_up_step"] and not ovl["warm_up_step"]
+    for r in (dec, ovl):
+        assert set(r["mfu"]) == {"prefill", "reference", "train"} and all(v > 0 for v in r["mfu"].values())
+        assert r["logprob_mismatch"]["tokens"] == r["response_tokens"]
+    p = dec["pflop"]
+    assert abs(p["train"] - 3 * p["reference"]) <= 1e-9 * p["train"]
+    assert ovl["memory"]["planned"]["forms"] == {"graph": 2}
+    q, t = ovl["pflop"], scale_bench.bench_flavor("debug").text
+    head = 2 * t.hidden_size * t.vocab_size * 2 / 1e15  # the prefill's LM head on one token of each of 2 prompts
+    assert abs(q["train"] - (3 * q["reference"] - (q["prefill"] - head))) <= 1e-9 * q["train"]
+    assert set(dec["profile"]) == {"prefill", "ref", "train"}
+    assert all(v["wall_s"] > 0 for v in dec["profile"].values()) and "profile" not in ovl
+    # the docs' tables and the merged chart come from such files
+    from benchmarks.memory_table import tables
+    table = tables([str(out)]).splitlines()
+    assert len(table) == 2 + 2 + 2 and "| img | 2 | overlapped | graph 2 |" in table[3]
+    plot = tmp_path / "merged.png"
+    merged = scale_bench.main(["--plot-from", str(out), str(out), "--plot", str(plot)])
+    assert len(merged["rows"]) == 4 and plot.stat().st_size > 0

@@ -121,6 +121,9 @@ class RolloutEngine:
         self._caller_stream: torch.cuda.Stream | None = None  # generate's stream while decode runs on its own
         self.pool: GroupKVPool | None = None
         self.stats = RolloutStats()
+        # time_prefill (CUDA): synchronize around each prefill so stats.prefill_s is its device time, not the time
+        # to enqueue it (benchmarks computing prefill MFU turn it on; it costs a sync per admission)
+        self.time_prefill = False
         self._step_fn = None
 
     def _count_capture(self, seconds: float) -> None:
@@ -263,6 +266,9 @@ class RolloutEngine:
                     i = waiting.popleft()
                     take.append((i, pool.take_group()))
                     budget -= lengths[i]
+                timed = self.time_prefill and dev.type == "cuda"
+                if timed:
+                    torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()
                 prefix = prefill_fn([prompts[i] for i, _ in take])
                 last_logits = self.model.logits(prefix.last_hidden.detach())
@@ -278,6 +284,8 @@ class RolloutEngine:
                     last_token[s], out_tokens[s, 0], out_logprobs[s, 0] = tok, tok, lp
                     gen_count[s] = 1
                     active[s] = ~torch.isin(tok, stop_ids) & (max_new > 1)
+                if timed:
+                    torch.cuda.synchronize(dev)
                 self.stats.prefill_s += time.perf_counter() - t0
                 self.stats.prefills += 1
                 self.stats.max_prefix_tokens_stored = max(self.stats.max_prefix_tokens_stored,
