@@ -17,6 +17,7 @@ and seconds per sample against P per mode.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import statistics
@@ -260,6 +261,8 @@ def parse(argv=None):
                     "(kernel time by category per phase, in the row's `profile`)")
     ap.add_argument("--plot-from", nargs="+", default=[],
                     help="results files of earlier runs: only draw their rows (one workload) into --plot and stop")
+    ap.add_argument("--watchdog-s", type=int, default=0,
+                    help="dump every thread's stack and exit if still running after this many seconds (0: none)")
     ap.add_argument("--max-step-s", type=float, default=240.0, help="a mode past this is not run at larger P")
     ap.add_argument("--out", default="", help="results JSON (default benchmarks/results/scale-DATE-<workload>.json)")
     ap.add_argument("--plot", default="",
@@ -290,6 +293,8 @@ def main(argv=None) -> dict:
         draw(rows, plot, f"{a.workload}, {rows[0]['geometry'] if rows else a.geometry}, G={a.group} ({first['device']})")
         print(f"wrote {plot} from {len(rows)} rows")
         return {"rows": rows}
+    if a.watchdog_s:
+        faulthandler.dump_traceback_later(a.watchdog_s, exit=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
     args = bench_flavor(a.geometry)
