@@ -317,23 +317,39 @@ def main(argv=None) -> dict:
               "packed_scoring": not a.padded, "rows": rows}
     out = Path(a.out or f"benchmarks/results/scale-{time.strftime('%Y%m%d', time.gmtime())}-{a.workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    for P in a.prompt_list:
+    # One runner per mode for the whole run: the rates it measured (held-prefix bytes per token, training
+    # activations) carry over to the next P, so only the first P needs a whole warm-up step of each mode's plan.
+    runners: dict[str, object] = {}
+
+    def close(runner) -> None:
+        runner.window.close()
+        if runner.memory is not None:
+            runner.memory.close()
+
+    for i, P in enumerate(a.prompt_list):
         prompts = workload_prompts(args, a, P)
+        if i and a.warmup == "first" and a.repeats:
+            # a new P is a new KV-pool shape: its decode step compiles and captures in this rollout, outside any row
+            t = time.perf_counter()
+            engine.generate(prompts, params)
+            engine.release()
+            print(f"[scale_bench] P={P} warm-up rollout {time.perf_counter() - t:.1f}s", flush=True)
         for k, mode in enumerate(a.mode_list):
             if mode in stopped:
                 rows.append(failed_row(a, mode, P, stopped[mode]))
                 continue
-            cfg = bench_config(mode.removesuffix("-window"), micro_batch=a.micro_batch,
-                               window=mode.endswith("-window"))
-            cfg.rollout.kv_pool_gib, cfg.memory.budget_gib, cfg.memory.managed = (a.kv_pool_gib, a.memory_budget_gib,
-                                                                                  a.managed)
-            cfg.model.activation_checkpointing = a.activation_checkpointing
-            cfg.runtime.packed_scoring = not a.padded
-            runner = None
             try:
-                runner = build_step_runtime(cfg, actor, reference, engine, optimizer, None, NullTokenizer())
-                row = run_row(a, mode, P, runner, engine, prompts, params, device,
-                              warm_up=a.warmup == "each" or k == 0, peak=peak)
+                if mode not in runners:
+                    cfg = bench_config(mode.removesuffix("-window"), micro_batch=a.micro_batch,
+                                       window=mode.endswith("-window"))
+                    cfg.rollout.kv_pool_gib, cfg.memory.budget_gib, cfg.memory.managed = (
+                        a.kv_pool_gib, a.memory_budget_gib, a.managed)
+                    cfg.model.activation_checkpointing = a.activation_checkpointing
+                    cfg.runtime.packed_scoring = not a.padded
+                    runners[mode] = build_step_runtime(cfg, actor, reference, engine, optimizer, None,
+                                                       NullTokenizer())
+                row = run_row(a, mode, P, runners[mode], engine, prompts, params, device,
+                              warm_up=a.warmup == "each" or (i == 0 and k == 0), peak=peak)
                 if row["step_s"] > a.max_step_s:
                     stopped[mode] = (f"skipped: the step at P={P} took {row['step_s']:.0f} s > --max-step-s "
                                      f"{a.max_step_s:.0f}")
@@ -341,11 +357,9 @@ def main(argv=None) -> dict:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 row = failed_row(a, mode, P, f"{type(e).__name__}: {first}")
                 print(f"[scale_bench] {a.workload} P={P} {mode} failed:\n{traceback.format_exc(limit=3)}", flush=True)
+                if mode in runners:  # a fresh runner for the next P: nothing of a failed step is reused
+                    close(runners.pop(mode))
             finally:
-                if runner is not None:
-                    runner.window.close()
-                    if runner.memory is not None:
-                        runner.memory.close()
                 engine.release()
                 optimizer.zero_grad(set_to_none=True)
                 gc.collect()
@@ -353,6 +367,8 @@ def main(argv=None) -> dict:
                     torch.cuda.empty_cache()
             rows.append(row)
             out.write_text(json.dumps(result, indent=2))  # after every row: a run stopped at its limit keeps its rows
+    for runner in runners.values():
+        close(runner)
     out.write_text(json.dumps(result, indent=2))
     plot = Path(a.plot or f"docs/img/scale-{a.workload}.png")
     draw(rows, plot, f"{a.workload}, {a.geometry}, G={a.group} ({result['device']})")

@@ -79,3 +79,22 @@ def test_scale_rows_carry_phase_mfu_counted_from_the_step_and_a_profile(tmp_path
     plot = tmp_path / "merged.png"
     merged = scale_bench.main(["--plot-from", str(out), str(out), "--plot", str(plot)])
     assert len(merged["rows"]) == 4 and plot.stat().st_size > 0
+
+
+def test_warmup_first_warms_each_new_p_with_a_rollout_and_reuses_the_runners_rates(tmp_path):
+    """--warmup first: one whole warm-up step at the first P only; later P warm their new KV-pool shape with a
+    rollout alone and run each mode's runner of the first P, whose measured rates (the fused graph's bytes per token)
+    carry over: the second overlapped row plans with the rate the first one measured, not the geometry's estimate."""
+    result = scale_bench.main(["--geometry", "debug", "--dtype", "float32", "--prompt-tokens", "32", "--response", "4",
+                               "--group", "2", "--micro-batch", "4", "--repeats", "1", "--prompts", "1,2",
+                               "--modes", "overlapped,decomposed", "--warmup", "first",
+                               "--out", str(tmp_path / "w.json"), "--plot", str(tmp_path / "w.png")])
+    rows = result["rows"]
+    assert [(r["prompts"], r["mode"], r["ok"], r["warm_up_step"]) for r in rows] == [
+        (1, "overlapped", True, True), (1, "decomposed", True, False), (2, "overlapped", True, False),
+        (2, "decomposed", True, False)]
+    first, second = rows[0]["memory"], rows[2]["memory"]
+    rate = lambda m: m["measured"]["held_graph_bytes"] / m["planned"]["forms"]["graph"]
+    measured_per_prompt = rate(first)
+    # the same prompt length at both P: the planned bytes per held prompt at P=2 are the measured ones of P=1
+    assert abs(second["planned"]["held_graph_bytes"] / 2 - measured_per_prompt) <= 0.01 * measured_per_prompt
