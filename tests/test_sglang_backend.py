@@ -91,6 +91,38 @@ def test_outputs_map_to_sample_records_prompt_major():
         map_outputs(answers[:3], 2, 2)
 
 
+def test_the_fake_refuses_what_sglang_refuses(tiny_ckpt, prompts):
+    """The fake mirrors SGLang 0.5.17's request rules (each from the wheel, see fake_sglang.py), so a request our
+    backend builds that SGLang would refuse fails here: a top_k of 0 (verify() wants -1 or >= 1), a key
+    SamplingParams has no field for, an unknown generate() keyword, images as PIL or several processor
+    outputs per request, image tokens that do not match the grid, an unknown memory tag."""
+    fake = FakeSGLangEngine(model_path=str(tiny_ckpt))
+    params = SamplingParams(n=1, max_new_tokens=2)
+    ok = build_requests(prompts[:1], params, [[0]])
+    run = lambda **kw: fake.loop.run_until_complete(fake.async_generate(**{**ok, **kw}))
+    assert run()[0]["meta_info"]["finish_reason"]["type"] in ("stop", "length")  # ours is accepted
+    sp = ok["sampling_params"][0]
+    for bad in ({**sp, "top_k": 0}, {**sp, "seed": 1}, {**sp, "top_p": 0.0}):
+        with pytest.raises((TypeError, ValueError)):
+            run(sampling_params=[bad])
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        run(return_logprobs=True)
+    item = ok["image_data"][0]
+    image = Image.new("RGB", (56, 56))
+    for bad in ([image], [[item, item]], [{**item, "format": "pixel_values"}],
+                [{**item, "image_grid_thw": item["image_grid_thw"][0]}]):
+        with pytest.raises(ValueError):
+            run(image_data=bad)
+    pad = fake.model.args.image_token_id
+    ids = ok["input_ids"][0]
+    one_pad = [t for i, t in enumerate(ids) if t != pad or ids.index(pad) == i]  # the unexpanded prompt
+    with pytest.raises(ValueError, match="image tokens"):
+        run(input_ids=[one_pad])
+    with pytest.raises(ValueError, match="memory tags"):
+        fake.release_memory_occupation(tags=["kv"])
+    fake.shutdown()
+
+
 # ---- weights ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("which", ["tiny_ckpt", "tiny_ckpt_untied"])
 def test_pushed_weight_names_are_the_checkpoint_names_sglang_loads(which, request):
