@@ -58,8 +58,9 @@ def check_sampling_params(sp: dict) -> None:
         raise ValueError(f"fake sglang: top_k must be -1 (disable) or at least 1, got {top_k}")
     if not 0.0 < top_p <= 1.0 or temperature < 0:
         raise ValueError(f"fake sglang: top_p {top_p} / temperature {temperature} out of range")
-    if not isinstance(sp.get("sampling_seed", 0), int):
-        raise TypeError("fake sglang: sampling_seed must be an int")
+    seed = sp.get("sampling_seed", 0)
+    if not isinstance(seed, int) or not -2**63 <= seed < 2**63:  # sampling_batch_info.py: an int64 tensor
+        raise TypeError(f"fake sglang: sampling_seed must be an int64, got {seed!r}")
 
 
 def check_image_item(item, ids: list[int], image_token_id: int, merge: int) -> None:

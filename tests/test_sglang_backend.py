@@ -61,6 +61,8 @@ def test_requests_are_one_seeded_request_per_sample_with_the_processor_output(pr
     assert (sp["temperature"], sp["top_p"], sp["top_k"], sp["max_new_tokens"], sp["stop_token_ids"]) == \
         (0.7, 1.0, -1, 5, [7])  # top_k 0 (off) is SGLang's -1
     assert sampling_params_for(SamplingParams(greedy=True), 1)["temperature"] == 0.0
+    huge = [sampling_params_for(params, 2**64 + j)["sampling_seed"] for j in range(2)]  # SGLang's seeds are int64
+    assert all(0 <= s < 2**63 for s in huge) and huge[0] != huge[1]
     assert "image_data" not in build_requests(prompts[1:], params, seeds[1:])
     with pytest.raises(ValueError, match="3 seeds"):
         build_requests(prompts, params, [[1, 2], [3, 4]])
@@ -102,7 +104,7 @@ def test_the_fake_refuses_what_sglang_refuses(tiny_ckpt, prompts):
     run = lambda **kw: fake.loop.run_until_complete(fake.async_generate(**{**ok, **kw}))
     assert run()[0]["meta_info"]["finish_reason"]["type"] in ("stop", "length")  # ours is accepted
     sp = ok["sampling_params"][0]
-    for bad in ({**sp, "top_k": 0}, {**sp, "seed": 1}, {**sp, "top_p": 0.0}):
+    for bad in ({**sp, "top_k": 0}, {**sp, "seed": 1}, {**sp, "top_p": 0.0}, {**sp, "sampling_seed": 2**63}):
         with pytest.raises((TypeError, ValueError)):
             run(sampling_params=[bad])
     with pytest.raises(TypeError, match="unexpected keyword"):
