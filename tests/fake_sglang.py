@@ -19,6 +19,7 @@ a name it does not know without a word, the fake refuses it, so a naming defect 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import torch
@@ -176,3 +177,11 @@ class SilentSGLangEngine(FakeSGLangEngine):
 
     async def async_generate(self, *args, **kwargs):
         await asyncio.sleep(3600)
+
+
+class StuckSGLangEngine(FakeSGLangEngine):
+    """A scheduler that hangs on a control call: SGLang's synchronous update_weights_from_tensor waits on it."""
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        time.sleep(15)  # long past any test's timeout_s; finite, so a test without the deadline fails, not hangs
+        return True, "Success"

@@ -8,6 +8,7 @@ SGLang is never imported here (its runtime needs a GPU); `fake_sglang.FakeSGLang
 from __future__ import annotations
 
 import importlib.util
+import signal
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
-from fake_sglang import FakeSGLangEngine, SilentSGLangEngine
+from fake_sglang import FakeSGLangEngine, SilentSGLangEngine, StuckSGLangEngine
 from torchplex.data.processing import encode_prompt, load_processor
 from torchplex.models.qwen2_5_vl.build import build_model
 from torchplex.rollout.engine import RolloutEngine, SampleOutput
@@ -247,6 +248,32 @@ def test_a_scheduler_that_never_answers_fails_the_rollout_after_the_timeout(tiny
     with pytest.raises(SGLangTimeoutError, match="rollout.sglang_timeout_s = 0.3 s"):
         engine.generate(prompts, SamplingParams(n=2, max_new_tokens=2))
     assert time.perf_counter() - t0 < 10
+
+
+def test_a_scheduler_stuck_on_a_weight_push_fails_after_the_timeout(tiny_ckpt, prompts):
+    """Defect: only generate had a timeout; SGLang's update_weights_from_tensor / release / resume are synchronous
+    run_until_complete calls without one, so a scheduler hung on a push held the step (and the device call)
+    until it was killed."""
+    engine = SGLangRolloutEngine(build_model(hf_dir=tiny_ckpt), str(tiny_ckpt), dtype="float32", timeout_s=0.3,
+                                 engine_factory=StuckSGLangEngine)
+    t0 = time.perf_counter()
+    with pytest.raises(SGLangTimeoutError, match="update_weights_from_tensor within rollout.sglang_timeout_s"):
+        engine.generate(prompts, SamplingParams(n=2, max_new_tokens=2))
+    assert time.perf_counter() - t0 < 10
+
+
+def test_deadline_leaves_an_outer_timer_running():
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.4)
+        with sgl_engine.deadline(5.0, "x"):
+            pass
+        time.sleep(0.8)
+        assert fired == [1]  # the outer timer (a test runner's, say) still went off
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 # ---- start-up errors -----------------------------------------------------------------------------------------------
