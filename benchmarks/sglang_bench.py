@@ -252,10 +252,13 @@ def main(argv=None, engine_factory=None) -> dict:
                 traceback.print_exc()
                 rows.append(failed_row(base, e))
             print(json.dumps(rows[-1]), flush=True)
+            # after every row: a later row that hangs until the device call's limit kills the process must not
+            # take the finished rows with it
+            write_results(a.out, rows, argv, device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-    return write_results(a.out, rows, argv, device)
+    return write_results(a.out, rows, argv, device)  # also with no rows: the file says what ran
 
 
 if __name__ == "__main__":

@@ -21,10 +21,19 @@ cd "$(dirname "$0")/.."
 SITE=/tmp/site
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/out}
+# SGLang's TokenizerManager turns SIGTERM into a graceful drain that a hung scheduler never finishes: -k sends
+# SIGKILL (GNU timeout signals its whole process group, the scheduler and detokenizer processes included) so a
+# hang ends the call with an error well before the device call's 10-minute limit
+bounded() { timeout -k 20 "$@"; }
+# check + train share one device call (600 s): train gets what check (~30 s: the import) leaves, and one
+# rollout SGLang does not answer in SGL_TIMEOUT_S fails its row (JSON kept) instead of reaching the kill
+RUN_S=${RUN_S:-480}
+SGL_TIMEOUT_S=${SGL_TIMEOUT_S:-120}
+export PYTHONUNBUFFERED=1  # rows printed as they finish, even when the process is killed
 mkdir -p "$OUT"
 stamp=$(date -u +%Y%m%d)
 tiny() {  # the trainer's tiny checkpoint (few MB), written once per machine
-  [ -f /tmp/tiny/config.json ] || python tools/make_tiny_checkpoint.py --output /tmp/tiny >/dev/null
+  [ -f /tmp/tiny/config.json ] || bounded 120 python tools/make_tiny_checkpoint.py --output /tmp/tiny >/dev/null
 }
 case "${1:-}" in
   install)
@@ -33,19 +42,19 @@ case "${1:-}" in
       ".sgl$n"/*.whl
     du -sh "$SITE" ;;
   check)
-    timeout 300 python -c "import sglang, transformers, tokenizers, torch
+    bounded 180 python -c "import sglang, transformers, tokenizers, torch
 from sglang.srt.entrypoints.engine import Engine
 print('sglang', sglang.__version__, 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__,
       'torch', torch.__version__)" ;;
   train)
     tiny
-    timeout 560 python benchmarks/sglang_bench.py --suite train --ckpt /tmp/tiny --steps 4 \
+    bounded "$RUN_S" python benchmarks/sglang_bench.py --suite train --ckpt /tmp/tiny --steps 4 --timeout-s "$SGL_TIMEOUT_S" \
       --out "$OUT/sglang-$stamp-train.json" ;;
   step)
     # The tiny checkpoint's geometry (a 7B random checkpoint would need ~30 GB written from CPU first:
     #   python tools/make_tiny_checkpoint.py --size 7B --output /tmp/ckpt7b   then --ckpt /tmp/ckpt7b)
     tiny
-    timeout 560 python benchmarks/sglang_bench.py --suite step --ckpt "${CKPT:-/tmp/tiny}" \
+    bounded "$RUN_S" python benchmarks/sglang_bench.py --suite step --ckpt "${CKPT:-/tmp/tiny}" --timeout-s "$SGL_TIMEOUT_S" \
       --workloads img-small,img --out "$OUT/sglang-$stamp-step.json" ;;
   *)
     echo "usage: $0 install N | check | train | step" >&2; exit 2 ;;

@@ -8,6 +8,7 @@ SGLang is never imported here (its runtime needs a GPU); `fake_sglang.FakeSGLang
 from __future__ import annotations
 
 import importlib.util
+import signal
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
-from fake_sglang import FakeSGLangEngine, SilentSGLangEngine
+from fake_sglang import FakeSGLangEngine, SilentSGLangEngine, StuckSGLangEngine
 from torchplex.data.processing import encode_prompt, load_processor
 from torchplex.models.qwen2_5_vl.build import build_model
 from torchplex.rollout.engine import RolloutEngine, SampleOutput
@@ -61,6 +62,8 @@ def test_requests_are_one_seeded_request_per_sample_with_the_processor_output(pr
     assert (sp["temperature"], sp["top_p"], sp["top_k"], sp["max_new_tokens"], sp["stop_token_ids"]) == \
         (0.7, 1.0, -1, 5, [7])  # top_k 0 (off) is SGLang's -1
     assert sampling_params_for(SamplingParams(greedy=True), 1)["temperature"] == 0.0
+    huge = [sampling_params_for(params, 2**64 + j)["sampling_seed"] for j in range(2)]  # SGLang's seeds are int64
+    assert all(0 <= s < 2**63 for s in huge) and huge[0] != huge[1]
     assert "image_data" not in build_requests(prompts[1:], params, seeds[1:])
     with pytest.raises(ValueError, match="3 seeds"):
         build_requests(prompts, params, [[1, 2], [3, 4]])
@@ -89,6 +92,38 @@ def test_outputs_map_to_sample_records_prompt_major():
         map_outputs([_answer([1], [-1.0], "abort")], 1, 1)
     with pytest.raises(RuntimeError, match="3 requests, 4 were sent"):
         map_outputs(answers[:3], 2, 2)
+
+
+def test_the_fake_refuses_what_sglang_refuses(tiny_ckpt, prompts):
+    """The fake mirrors SGLang 0.5.17's request rules (each from the wheel, see fake_sglang.py), so a request our
+    backend builds that SGLang would refuse fails here: a top_k of 0 (verify() wants -1 or >= 1), a key
+    SamplingParams has no field for, an unknown generate() keyword, images as PIL or several processor
+    outputs per request, image tokens that do not match the grid, an unknown memory tag."""
+    fake = FakeSGLangEngine(model_path=str(tiny_ckpt))
+    params = SamplingParams(n=1, max_new_tokens=2)
+    ok = build_requests(prompts[:1], params, [[0]])
+    run = lambda **kw: fake.loop.run_until_complete(fake.async_generate(**{**ok, **kw}))
+    assert run()[0]["meta_info"]["finish_reason"]["type"] in ("stop", "length")  # ours is accepted
+    sp = ok["sampling_params"][0]
+    for bad in ({**sp, "top_k": 0}, {**sp, "seed": 1}, {**sp, "top_p": 0.0}, {**sp, "sampling_seed": 2**63}):
+        with pytest.raises((TypeError, ValueError)):
+            run(sampling_params=[bad])
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        run(return_logprobs=True)
+    item = ok["image_data"][0]
+    image = Image.new("RGB", (56, 56))
+    for bad in ([image], [[item, item]], [{**item, "format": "pixel_values"}],
+                [{**item, "image_grid_thw": item["image_grid_thw"][0]}]):
+        with pytest.raises(ValueError):
+            run(image_data=bad)
+    pad = fake.model.args.image_token_id
+    ids = ok["input_ids"][0]
+    one_pad = [t for i, t in enumerate(ids) if t != pad or ids.index(pad) == i]  # the unexpanded prompt
+    with pytest.raises(ValueError, match="image tokens"):
+        run(input_ids=[one_pad])
+    with pytest.raises(ValueError, match="memory tags"):
+        fake.release_memory_occupation(tags=["kv"])
+    fake.shutdown()
 
 
 # ---- weights ----------------------------------------------------------------------------------------------------
@@ -213,6 +248,32 @@ def test_a_scheduler_that_never_answers_fails_the_rollout_after_the_timeout(tiny
     with pytest.raises(SGLangTimeoutError, match="rollout.sglang_timeout_s = 0.3 s"):
         engine.generate(prompts, SamplingParams(n=2, max_new_tokens=2))
     assert time.perf_counter() - t0 < 10
+
+
+def test_a_scheduler_stuck_on_a_weight_push_fails_after_the_timeout(tiny_ckpt, prompts):
+    """Defect: only generate had a timeout; SGLang's update_weights_from_tensor / release / resume are synchronous
+    run_until_complete calls without one, so a scheduler hung on a push held the step (and the device call)
+    until it was killed."""
+    engine = SGLangRolloutEngine(build_model(hf_dir=tiny_ckpt), str(tiny_ckpt), dtype="float32", timeout_s=0.3,
+                                 engine_factory=StuckSGLangEngine)
+    t0 = time.perf_counter()
+    with pytest.raises(SGLangTimeoutError, match="update_weights_from_tensor within rollout.sglang_timeout_s"):
+        engine.generate(prompts, SamplingParams(n=2, max_new_tokens=2))
+    assert time.perf_counter() - t0 < 10
+
+
+def test_deadline_leaves_an_outer_timer_running():
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.4)
+        with sgl_engine.deadline(5.0, "x"):
+            pass
+        time.sleep(0.8)
+        assert fired == [1]  # the outer timer (a test runner's, say) still went off
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 # ---- start-up errors -----------------------------------------------------------------------------------------------

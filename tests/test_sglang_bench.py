@@ -58,3 +58,22 @@ def test_train_rows_on_the_fake(tiny_ckpt, tmp_path):
     assert row["ok"], row["error"]
     assert row["backend"] == "sglang" and row["logprob_mismatch"] < 1e-4 and row["weight_push_bytes"][0] > 0
     assert row["weights_changed"]
+
+
+
+def test_rows_are_written_before_a_later_row_kills_the_run(tiny_ckpt, tmp_path, monkeypatch):
+    """Defect: results were written only after the last row, so a row killed by the device call's time limit
+    (a hung SGLang scheduler ended by `timeout -k` in sglang_gpu.sh) lost every finished row with it."""
+    out = tmp_path / "sglang-step.json"
+
+    def rows(a, backend, *args, **kwargs):
+        if backend == "sglang":
+            raise RuntimeError("scheduler died")  # an ordinary failed row
+        raise KeyboardInterrupt  # what no `except Exception` catches, like the signal that ends a hung call
+
+    monkeypatch.setattr(sglang_bench, "step_rows", rows)
+    with pytest.raises(KeyboardInterrupt):
+        sglang_bench.main(["--suite", "step", "--ckpt", str(tiny_ckpt), "--backends", "sglang,native",
+                           "--workloads", "img-small", "--out", str(out)] + SMALL)
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["backend"] == "sglang" and row["ok"] is False and "scheduler died" in row["error"]

@@ -15,14 +15,18 @@ prefix and reference work therefore run after rollout, and the schedule says why
 rollout_tp > 1: the engine runs on the first rank of the actor's TP group (SGLang's own TP over the group's
 GPUs); every rank joins the `full_tensor` gathers, the first one pushes and samples, and the outputs are
 broadcast to the others (TP peers hold the same prompts). Where the scheduler stops answering (died, hung), the
-step fails after `rollout.sglang_timeout_s` with that said, instead of waiting forever.
+step fails after `rollout.sglang_timeout_s` with that said, instead of waiting forever: a rollout, and each
+weight push, release and resume (SGLang's own calls for those have no timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -95,6 +99,36 @@ def _check(result, what: str) -> None:
         raise RuntimeError(f"SGLang {what} failed: {result[1] if len(result) > 1 else result}")
 
 
+@contextlib.contextmanager
+def deadline(seconds: float, what: str):
+    """Raise SGLangTimeoutError in this (main) thread if the block runs past `seconds`.
+
+    SGLang's control calls (update_weights_from_tensor, release/resume_memory_occupation) are synchronous
+    `loop.run_until_complete(...)` with no timeout of their own: a scheduler that stops answering would hold
+    the step forever. A SIGALRM interrupts the wait (PEP 475: a handler that raises ends the blocked call); off
+    the main thread, where no signal can be delivered, the block runs unbounded. A timer already set (a test
+    runner's) is re-armed with what it had left."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expired(signum, frame):
+        raise SGLangTimeoutError(
+            f"SGLang did not answer {what} within rollout.sglang_timeout_s = {seconds:g} s: its scheduler process "
+            f"may have died or hung (its log is above)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    outer_left, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer_left:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - t0), 1e-3))
+
+
 class SGLangRolloutEngine:
     capabilities = RolloutCapabilities(
         prefill_hook=False, samples_finished_hook=False, step_hook=False, shares_actor_weights=False,
@@ -133,7 +167,9 @@ class SGLangRolloutEngine:
             return
         if self.engine is not None:
             t0 = time.perf_counter()
-            _check(self.engine.release_memory_occupation(tags=["kv_cache", "weights"]), "release_memory_occupation")
+            with deadline(self.timeout_s, "release_memory_occupation"):
+                result = self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
+            _check(result, "release_memory_occupation")
             self.stats.release_s.append(time.perf_counter() - t0)
         self._released = True
         self._full_push = True
@@ -143,7 +179,9 @@ class SGLangRolloutEngine:
             return
         if self.engine is not None:
             t0 = time.perf_counter()
-            _check(self.engine.resume_memory_occupation(tags=["weights", "kv_cache"]), "resume_memory_occupation")
+            with deadline(self.timeout_s, "resume_memory_occupation"):
+                result = self.engine.resume_memory_occupation(tags=["weights", "kv_cache"])
+            _check(result, "resume_memory_occupation")
             self.stats.resume_s.append(time.perf_counter() - t0)
         self._released = False
 
@@ -156,8 +194,9 @@ class SGLangRolloutEngine:
         for bucket in buckets(named, self.bucket_bytes):
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
             if self.engine is not None:
-                _check(self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=True),
-                       "update_weights_from_tensor")
+                with deadline(self.timeout_s, "update_weights_from_tensor"):
+                    result = self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=True)
+                _check(result, "update_weights_from_tensor")
             del bucket  # the gathered copies go before the next bucket is gathered
         self._full_push = False
         self.stats.weight_push_s.append(time.perf_counter() - t0)

@@ -21,7 +21,9 @@ from ..sampling import SamplingParams
 def sampling_params_for(params: SamplingParams, seed: int) -> dict:
     """SGLang's sampling-params dict for one sample. SGLang's log-prob is log_softmax(logits / T) taken before
     top-k/top-p, the native engine's after them: the two agree only with top_k = 0 and top_p = 1."""
-    sp = {"max_new_tokens": params.max_new_tokens, "sampling_seed": int(seed),
+    # SGLang packs the seeds of a batch into an int64 tensor (sampling_batch_info.py): a larger seed (the job seed
+    # times the step's and the sample's multipliers can get there) fails in its scheduler; folded, it stays distinct
+    sp = {"max_new_tokens": params.max_new_tokens, "sampling_seed": int(seed) % 2**63,
           "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False}
     if params.greedy:
         sp["temperature"] = 0.0
