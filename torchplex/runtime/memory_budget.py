@@ -18,6 +18,10 @@ Holding forms, chosen per prompt in admission order (`choose_prefix_forms`):
     none        not fused: the prompt's actor prefix is computed in training, as in decomposed mode
 As many prompts get the whole graph as can while every other fused prompt still fits as compact; then as many
 compact as fit; the rest none.
+Recompute per training micro-batch (memory.recompute = "auto", with model.activation_checkpointing): a micro-batch
+skips the checkpointed blocks' recompute when its whole graph (`no_recompute_bytes`) fits in the memory free at its
+forward less the headroom (`needs_recompute`); the budget above counts training at its recompute form
+(`recompute_train_bytes`), so held prefixes keep their room and skipping the recompute only uses what is left.
 Nothing here is unbounded: without a room there is no fusion, and a step whose smallest form cannot fit fails before
 it runs (`BatchTooLargeError`, naming the config keys to change).
 """
@@ -149,3 +153,30 @@ def step_residents(*, actor_bytes: int, reference_bytes: int, optimizer_bytes: i
     base = {"actor_weights": actor_bytes, "ref_weights": reference_bytes, "optimizer_state": optimizer_bytes}
     return {"rollout": {**base, "kv_pool": kv_pool_bytes}, "ref": dict(base),
             "train": {**base, "grads": grad_bytes, "activations": train_activation_bytes}}
+
+
+LOGIT_COPIES = 3  # fp32 logits of a response token live ~3 times over in training: logits, log-softmax, entropy
+
+
+def logits_bytes(response_tokens: int, vocab_size: int) -> int:
+    return LOGIT_COPIES * 4 * vocab_size * response_tokens
+
+
+def no_recompute_bytes(graph_bytes_per_token: float, tokens: int, response_tokens: int, vocab_size: int) -> int:
+    """A training forward's activations with every block keeping its whole graph: `tokens` (responses and the
+    prefixes it computes, not those held from a fused prefill) at the whole graph's rate, plus the fp32 logits."""
+    return math.ceil(graph_bytes_per_token * tokens) + logits_bytes(response_tokens, vocab_size)
+
+
+def recompute_train_bytes(compact_bytes_per_token: float, layer_bytes_per_token: float, tokens: int,
+                          response_tokens: int, vocab_size: int) -> int:
+    """The same forward's activations when its blocks recompute: every block's input (the compact rate), the one
+    block whose graph the backward rebuilds at a time, plus the fp32 logits."""
+    return (math.ceil((compact_bytes_per_token + layer_bytes_per_token) * tokens)
+            + logits_bytes(response_tokens, vocab_size))
+
+
+def needs_recompute(est_bytes: int, free_bytes: int, margin_bytes: int) -> bool:
+    """Whether a training micro-batch must recompute: its no-recompute activations do not fit in what is free
+    less the margin."""
+    return est_bytes > free_bytes - margin_bytes
