@@ -209,3 +209,23 @@ def test_config_key_defaults_to_auto_and_refuses_other_values():
     assert step_settings(load_config(["--memory.recompute=always"])).recompute == "always"
     with pytest.raises(ConfigError, match=r"memory\.recompute"):
         load_config(["--memory.recompute=sometimes"])
+
+
+def test_fused_graph_form_of_a_checkpointed_actor_holds_the_whole_graph(setup):
+    """Defect (before this change): with the actor's blocks checkpointed, the overlapped step's "graph" form ran
+    the fused prefill through checkpoint(), so SavedBytes measured only the layer inputs and the rate training's
+    recompute choice reads was far below the whole graph. Now the form holds (and measures) what the unwrapped
+    actor's does, and the overlapped step (auto, nothing forced) gives the unwrapped step's numbers."""
+    outs = {}
+    for checkpointed in (False, True):
+        runner = runner_for(setup, "overlapped", checkpointed=checkpointed)
+        out, _ = run_step(runner, setup)
+        nbytes, tokens = out.prefixes.graph_bytes[id(runner.actor)]
+        outs[checkpointed] = (out, runner.optimizer.grads, nbytes / tokens)
+    (plain_out, plain_grads, plain_rate), (out, grads, rate) = outs[False], outs[True]
+    assert [c.form for c in out.schedule.prefix_forms] == ["graph"] * 3
+    assert rate == plain_rate
+    assert out.train.recompute["off"] > 0
+    assert rel(out.train.stats.loss, plain_out.train.stats.loss) < TOL
+    for g, r in zip(grads, plain_grads):
+        assert rel(g, r) < TOL
