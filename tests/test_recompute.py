@@ -56,7 +56,7 @@ class RecordingSGD(torch.optim.SGD):
 KV_POOL = 2 * 2**20
 
 
-def runner_for(setup, mode, checkpointed, budget=2**40, policy="auto"):
+def runner_for(setup, mode, checkpointed, budget=2**40, policy="auto", checkpoint_prefix=False):
     processor, prompts, base, reference = setup
     actor = copy.deepcopy(base)
     if checkpointed:
@@ -64,7 +64,7 @@ def runner_for(setup, mode, checkpointed, budget=2**40, policy="auto"):
     engine = RolloutEngine(actor, kv_pool_bytes=KV_POOL)
     optimizer = RecordingSGD([p for p in actor.parameters() if p.requires_grad], lr=0.1)
     settings = StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=4, grad_clip=1e9,
-                            loss=PolicyLossConfig(kl_coef=0.1), recompute=policy,
+                            loss=PolicyLossConfig(kl_coef=0.1), recompute=policy, checkpoint_prefix=checkpoint_prefix,
                             plan=PlanOptions(mode=mode, memory_budget_bytes=budget))
     return StepRunner(actor, copy.deepcopy(reference), engine, optimizer, None, processor.tokenizer, settings)
 
@@ -74,7 +74,8 @@ def run_step(runner, setup, counting=False):
     (a pre-hook on a submodule fires in the forward and again in a recompute, which calls the body; a post-hook
     would not: the recompute stops once it has rebuilt the last tensor backward needs)."""
     prompts, tokenizer = setup[1], setup[0].tokenizer
-    params = SamplingParams(n=4, max_new_tokens=6, seed=3, stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    params = SamplingParams(n=4, max_new_tokens=6, seed=3, stop_token_ids=stop)
     calls = {"layer": 0, "vision": 0}
     hooks = []
     if counting:
@@ -90,12 +91,6 @@ def run_step(runner, setup, counting=False):
         for h in hooks:
             h.remove()
     return out, calls
-
-
-def train_resident(runner, setup) -> int:
-    """What the CPU budget counts resident in training, activations aside (the same at every budget)."""
-    out, _ = run_step(runner_for(setup, runner.settings.plan.mode, True), setup)
-    return sum(b for g, b in out.schedule.memory["residents"]["train"].items() if g != "activations")
 
 
 def budget_for(resident: int, threshold: int) -> int:
@@ -194,7 +189,8 @@ def test_budget_counts_training_at_its_recompute_form(setup):
     plain_runner = runner_for(setup, "overlapped", checkpointed=False)
     ckpt_runner = runner_for(setup, "overlapped", checkpointed=True)
     shape = ckpt_runner.shape(setup[1], params)
-    plain_act = plain_runner.memory_budget(plain_runner.shape(setup[1], params), params).residents["train"]["activations"]
+    plain_shape = plain_runner.shape(setup[1], params)
+    plain_act = plain_runner.memory_budget(plain_shape, params).residents["train"]["activations"]
     budget = ckpt_runner.memory_budget(shape, params)
     t = ckpt_runner.actor.args.text
     tokens = 4 * 6 + 1 * max(shape.prompt_lengths)
@@ -228,4 +224,46 @@ def test_fused_graph_form_of_a_checkpointed_actor_holds_the_whole_graph(setup):
     assert out.train.recompute["off"] > 0
     assert rel(out.train.stats.loss, plain_out.train.stats.loss) < TOL
     for g, r in zip(grads, plain_grads):
+        assert rel(g, r) < TOL
+
+
+def test_compiled_checkpointed_layer_follows_the_flag(setup):
+    """torch.compile guards on the module-level flag: a layer compiled under recompute(True) is traced again under
+    recompute(False) (a second graph), not run with the first value baked in; both give the eager gradients."""
+    actor = copy.deepcopy(setup[2])
+    apply_activation_checkpointing(actor)
+    layer = actor.layers[0]
+    t = actor.args.text
+    x = torch.randn(1, 5, t.hidden_size)
+    cos, sin = torch.ones(1, 1, 5, t.head_dim), torch.zeros(1, 1, 5, t.head_dim)
+    attend = lambda layer_index, q, k, v: q * (k.mean() + v.mean())  # every projection gets a gradient
+
+    def grads(flag):
+        layer.zero_grad(set_to_none=True)
+        with recompute(flag):
+            layer(x, cos, sin, attend, 0).square().sum().backward()
+        return [p.grad.clone() for p in layer.parameters()]
+
+    eager = grads(True)
+    layer.compile(backend="eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    on = grads(True)
+    off = grads(False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
+    for a, b, c in zip(eager, on, off):
+        assert rel(b, a) < TOL and rel(c, a) < TOL
+
+
+def test_checkpointed_prefix_reruns_with_the_forwards_choice(setup):
+    """runtime.checkpoint_prefix wraps the whole prefix forward in checkpoint(), whose rerun happens in backward,
+    outside the forward's recompute(False) block: it must rerun with the forward's choice (the blocks inside not
+    checkpointed), or the rerun saves other tensors than the forward did. Same numbers as the unwrapped actor."""
+    plain = runner_for(setup, "decomposed", checkpointed=False, checkpoint_prefix=True)
+    plain_out, _ = run_step(plain, setup)
+    runner = runner_for(setup, "decomposed", checkpointed=True, checkpoint_prefix=True)
+    out, _ = run_step(runner, setup)
+    assert out.train.recompute["off"] > 0 and out.train.recompute["on"] == 0
+    assert rel(out.train.stats.loss, plain_out.train.stats.loss) < TOL
+    for g, r in zip(runner.optimizer.grads, plain.optimizer.grads):
         assert rel(g, r) < TOL
