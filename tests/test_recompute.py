@@ -133,6 +133,8 @@ def test_recompute_choice_keeps_the_unwrapped_step(setup, plain, which):
     assert {"all": off == 0, "none": on == 0, "mix": on and off}[which]
     assert (out.train.recompute["on"], out.train.recompute["off"]) == (on, off)
     assert (log["on"], log["off"]) == (on, off)
+    # a training peak with whole graphs would overstate the recompute form the next step's budget counts
+    assert runner._train_measurable == (off == 0)
 
     assert torch.equal(out.experience.tokens, ref_out.experience.tokens)
     mask = out.experience.mask
@@ -267,3 +269,29 @@ def test_checkpointed_prefix_reruns_with_the_forwards_choice(setup):
     assert rel(out.train.stats.loss, plain_out.train.stats.loss) < TOL
     for g, r in zip(runner.optimizer.grads, plain.optimizer.grads):
         assert rel(g, r) < TOL
+
+
+@pytest.mark.parametrize("policy", ["auto", "always"])
+def test_trainer_logs_recompute_counts(tiny_ckpt, tmp_path, policy):
+    """The step's metrics carry how many training forwards recomputed (recompute/on) and how many did not."""
+    import json
+    from pathlib import Path
+
+    from torchplex.train import Trainer
+
+    debug = Path(__file__).resolve().parents[1] / "train_configs" / "debug.toml"
+    args = {"job.config_file": debug, "job.output_dir": tmp_path, "model.hf_checkpoint": tiny_ckpt,
+            "model.make_tiny_if_missing": "false", "model.activation_checkpointing": "true",
+            "memory.recompute": policy, "data.synthetic_dir": tmp_path / "data", "data.synthetic_train": 8,
+            "data.synthetic_eval": 2, "data.prompts_per_step": 2, "rollout.n_samples": 2,
+            "rollout.max_new_tokens": 4, "training.steps": 1, "training.sft_warmup_steps": 0,
+            "metrics.progress_bar": "false", "metrics.tensorboard": "false", "metrics.eval_interval": 0}
+    trainer = Trainer(load_config([f"--{k}={v}" for k, v in args.items()]))
+    trainer.train()
+    record = {}
+    for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["step"] == 1:
+            record.update(r)
+    assert record["recompute/on"] + record["recompute/off"] > 0
+    assert (record["recompute/on"] == 0) if policy == "auto" else (record["recompute/off"] == 0)
