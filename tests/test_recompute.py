@@ -16,8 +16,8 @@ from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.build import step_settings
 from torchplex.runtime.executor import StepRunner, StepSettings
-from torchplex.runtime.memory_budget import (HEADROOM, LOGIT_COPIES, needs_recompute, no_recompute_bytes,
-                                             recompute_train_bytes)
+from torchplex.runtime.memory_budget import (HEADROOM, LOGIT_COPIES, agree_on_recompute, needs_recompute,
+                                             no_recompute_bytes, recompute_train_bytes)
 from torchplex.runtime.planner import PlanOptions
 
 TOL = 1e-6
@@ -295,3 +295,40 @@ def test_trainer_logs_recompute_counts(tiny_ckpt, tmp_path, policy):
             record.update(r)
     assert record["recompute/on"] + record["recompute/off"] > 0
     assert (record["recompute/on"] == 0) if policy == "auto" else (record["recompute/off"] == 0)
+
+
+def _agree_worker(rank, world_size, port, needs, results):
+    import torch.distributed as dist
+    from distributed_helpers import init_gloo
+
+    from torchplex.runtime.memory_budget import agree_on_recompute
+
+    from torchplex.distributed.mesh import ParallelDims
+    from torchplex.models.qwen2_5_vl.args import get_flavor
+    from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel
+    from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
+    from torchplex.runtime.executor import _tp_group
+
+    init_gloo(rank, world_size, port)
+    results[rank] = [agree_on_recompute(n, dist.group.WORLD, torch.device("cpu")) for n in needs[rank]]
+    # the group the executor agrees over: the TP mesh's, found from a TP'd actor's weights
+    model = Qwen2_5_VLModel(get_flavor("debug"))
+    assert _tp_group(model) is None
+    dims = ParallelDims(dp_shard=1, tp=world_size, world_size=world_size, device_type="cpu")
+    parallelize_qwen2_5_vl(model, dims, tp=True, fsdp=False, activation_checkpointing=True)
+    group = _tp_group(model)
+    assert group is not None and dist.get_world_size(group) == world_size
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_peers_agree_on_recompute():
+    """TP peers whose own choices differ (free memory differs a little) all recompute when any must: a TP'd
+    block's recompute reruns its all-reduces, so a split choice would hang. One choice per micro-batch."""
+    from distributed_helpers import free_port, spawn
+
+    manager = torch.multiprocessing.Manager()
+    results = manager.dict()
+    needs = [[True, False, False], [False, False, True]]
+    spawn(_agree_worker, 2, (free_port(), needs, results), timeout_s=60)
+    assert results[0] == results[1] == [True, False, True]
+    assert agree_on_recompute(False, None, torch.device("cpu")) is False

@@ -27,8 +27,8 @@ from ..models.qwen2_5_vl.parallelize import is_checkpointed
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
-from .memory_budget import (HEADROOM, MemoryBudget, device_capacity, kv_pool_bytes, needs_recompute,
-                            no_recompute_bytes, recompute_train_bytes, step_residents)
+from .memory_budget import (HEADROOM, MemoryBudget, agree_on_recompute, device_capacity, kv_pool_bytes,
+                            needs_recompute, no_recompute_bytes, recompute_train_bytes, step_residents)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
 from .overlap import DecodeWindowJobs, PrefixStore, rollout_prefill
 from .phases import Stage
@@ -91,6 +91,16 @@ def _local_bytes(params) -> int:
     """Bytes of these tensors on this rank (a DTensor counts its local shard)."""
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
     return sum(t.numel() * t.element_size() for t in local)
+
+
+def _tp_group(model):
+    """The tensor-parallel process group of a TP'd actor (its decoder weights are DTensors on a mesh with a "tp"
+    axis), else None."""
+    weight = model.layers[0].attention.wq.weight
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return None
+    return mesh["tp"].get_group()
 
 
 class StepRunner:
@@ -346,6 +356,7 @@ class StepRunner:
         rate = self._activation_bytes_per_token or self._graph_estimate()
         vocab = self.actor.args.text.vocab_size
         serial = step.schedule.mode == "serial"
+        tp_group = _tp_group(self.actor)
         log = step.schedule.memory.setdefault("recompute", {})
         log.update(bytes_per_token=rate, estimates=[], free_bytes=[])
 
@@ -359,7 +370,7 @@ class StepRunner:
             free, margin = self._free_for_training(step)
             log["estimates"].append(est)
             log["free_bytes"].append(free - margin)
-            return needs_recompute(est, free, margin)
+            return agree_on_recompute(needs_recompute(est, free, margin), tp_group, self.device)
 
         return decide
 

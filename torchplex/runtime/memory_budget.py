@@ -33,6 +33,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.distributed as dist
 
 GRAPH, COMPACT, NONE = "graph", "compact", "none"
 HELD_STAGES = ("rollout", "ref", "train")  # a fused prefix is held from the rollout prefill to its training
@@ -180,3 +181,14 @@ def needs_recompute(est_bytes: int, free_bytes: int, margin_bytes: int) -> bool:
     """Whether a training micro-batch must recompute: its no-recompute activations do not fit in what is free
     less the margin."""
     return est_bytes > free_bytes - margin_bytes
+
+
+def agree_on_recompute(need: bool, group, device) -> bool:
+    """One choice for every rank of `group` (tensor-parallel peers): recompute when any of them must. A TP'd
+    block's recompute reruns its row-parallel all-reduces, so peers that chose differently would wait on each
+    other's collectives; their free memory can differ a little, which near the threshold flips the choice."""
+    if group is None:
+        return need
+    flag = torch.tensor([float(need)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
