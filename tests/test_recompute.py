@@ -16,8 +16,8 @@ from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.build import step_settings
 from torchplex.runtime.executor import StepRunner, StepSettings
-from torchplex.runtime.memory_budget import (HEADROOM, LOGIT_COPIES, agree_on_recompute, needs_recompute,
-                                             no_recompute_bytes, recompute_train_bytes)
+from torchplex.runtime.memory_budget import (HEADROOM, LOGIT_CHUNK, LOGIT_COPIES, agree_on_recompute,
+                                             needs_recompute, no_recompute_bytes, recompute_train_bytes)
 from torchplex.runtime.planner import PlanOptions
 
 TOL = 1e-6
@@ -33,6 +33,8 @@ def test_needs_recompute_when_the_whole_graph_does_not_fit_the_free_memory_less_
     ests = [no_recompute_bytes(1000.0, t, 4, 8) for t in (10, 40, 25)]
     assert ests == [10_000 + 4 * 4 * 8 * LOGIT_COPIES, 40_384, 25_384]
     assert [needs_recompute(e, 40_000, 5_000) for e in ests] == [False, True, False]
+    # the LM head runs 1,024 rows at a time (rl/logprobs): the fp32 logits of one chunk, not of every token
+    assert no_recompute_bytes(0.0, 0, 5000, 8) == no_recompute_bytes(0.0, 0, LOGIT_CHUNK, 8) == 3 * 4 * 8 * 1024
 
 
 def test_recompute_form_is_layer_inputs_plus_one_layer_plus_logits():

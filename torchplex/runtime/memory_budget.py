@@ -157,15 +157,19 @@ def step_residents(*, actor_bytes: int, reference_bytes: int, optimizer_bytes: i
 
 
 LOGIT_COPIES = 3  # fp32 logits of a response token live ~3 times over in training: logits, log-softmax, entropy
+# rl/logprobs applies the LM head this many rows at a time (forward and backward), the chunk size scoring uses: the
+# fp32 logits alive at once are one chunk's, however many response tokens the micro-batch has
+LOGIT_CHUNK = 1024
 
 
 def logits_bytes(response_tokens: int, vocab_size: int) -> int:
-    return LOGIT_COPIES * 4 * vocab_size * response_tokens
+    return LOGIT_COPIES * 4 * vocab_size * min(response_tokens, LOGIT_CHUNK)
 
 
 def no_recompute_bytes(graph_bytes_per_token: float, tokens: int, response_tokens: int, vocab_size: int) -> int:
     """A training forward's activations with every block keeping its whole graph: `tokens` (responses and the
-    prefixes it computes, not those held from a fused prefill) at the whole graph's rate, plus the fp32 logits."""
+    prefixes it computes, not those held from a fused prefill) at the whole graph's rate, plus the fp32 logits
+    (one LM-head chunk's: `logits_bytes`)."""
     return math.ceil(graph_bytes_per_token * tokens) + logits_bytes(response_tokens, vocab_size)
 
 
