@@ -234,6 +234,9 @@ class MemoryConfig:
     # what the step may use on its device; 0 = the device's (CUDA: free + this process's cached blocks; CPU: the
     # host's memory). Held prefixes and a budget-sized KV pool get what every resident group leaves (docs/memory.md)
     budget_gib: float = 0.0
+    # with model.activation_checkpointing: "auto" = each training micro-batch skips the recompute when its whole graph
+    # fits in the memory free at its forward (docs/memory.md); "always" = every micro-batch recomputes
+    recompute: Literal["auto", "always"] = "auto"
 
 
 @dataclass

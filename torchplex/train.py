@@ -400,6 +400,8 @@ class Trainer:
             "groups/kept_fraction": self._mean(exp.keep_groups.float().tolist()),
             "lr": self.optimizer.param_groups[0]["lr"],
             "skipped/nonfinite_steps": float(result.skipped_nonfinite),
+            # training forwards whose checkpointed blocks recomputed or not (memory.recompute, docs/memory.md)
+            "recompute/on": float(result.recompute["on"]), "recompute/off": float(result.recompute["off"]),
             "reward/failures": self._sum(float(self.reward_ledger.failures)),
             "skipped/bad_records": float(self.bad_records.total),
         })

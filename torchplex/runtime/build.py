@@ -38,7 +38,7 @@ def step_settings(cfg: Config) -> StepSettings:
                         ppo_epochs=a.ppo_epochs, grad_clip=cfg.optimizer.grad_clip, loss=policy_loss_config(cfg),
                         plan=plan_options(cfg), checkpoint_prefix=cfg.runtime.checkpoint_prefix,
                         packed_scoring=cfg.runtime.packed_scoring,
-                        kv_pool_from_budget=cfg.rollout.kv_pool_gib == 0)
+                        kv_pool_from_budget=cfg.rollout.kv_pool_gib == 0, recompute=cfg.memory.recompute)
 
 
 def build_memory_manager(runner: StepRunner, device: torch.device, kv_pool_bytes: int) -> MemoryManager:

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..data.batching import collate
 from ..models.attention import PrefixState
+from ..models.qwen2_5_vl.parallelize import under_current_recompute
 from .overlap import PrefixStore, merge_prefix_states, prompt_part
 from .packing import PackedResponses, decomposed_predictors, packed_scores
 from .prefix_graphs import PrefixGraphs
@@ -210,7 +211,7 @@ class DecomposedScorer:
         run = lambda img, vid: model.prefix_forward(batch.input_ids, batch.position_ids, batch.next_position,
                                                      batch.lengths, image_embeds=img, video_embeds=vid)
         if self.checkpoint_prefix and torch.is_grad_enabled():
-            return checkpoint(run, image, video, use_reentrant=False), batch, False
+            return checkpoint(under_current_recompute(run), image, video, use_reentrant=False), batch, False
         return run(image, video), batch, False
 
     def score(self, model, request: ScoreRequest, temperature: float, with_entropy: bool = False):

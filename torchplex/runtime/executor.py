@@ -23,10 +23,12 @@ import torch
 
 from ..components.captured_step import plain_tensors
 from ..distributed.fsdp import gathered, reshard
+from ..models.qwen2_5_vl.parallelize import is_checkpointed
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
-from .memory_budget import MemoryBudget, device_capacity, kv_pool_bytes, step_residents
+from .memory_budget import (HEADROOM, MemoryBudget, agree_on_recompute, device_capacity, kv_pool_bytes,
+                            needs_recompute, no_recompute_bytes, recompute_train_bytes, step_residents)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
 from .overlap import DecodeWindowJobs, PrefixStore, rollout_prefill
 from .phases import Stage
@@ -52,6 +54,9 @@ class StepSettings:
     checkpoint_prefix: bool = False  # activation checkpointing of the prompt prefix forward
     packed_scoring: bool = True  # scorers run a micro-batch's valid tokens only (runtime/packing.py)
     kv_pool_from_budget: bool = False  # size the engine's KV pool each step from the memory budget (kv_pool_gib 0)
+    # checkpointed actor: "auto" = a training micro-batch skips the recompute when its whole graph fits in the free
+    # memory at its forward (memory.recompute); "always" = every one recomputes
+    recompute: str = "auto"
 
 
 @dataclass
@@ -88,6 +93,16 @@ def _local_bytes(params) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
+def _tp_group(model):
+    """The tensor-parallel process group of a TP'd actor (its decoder weights are DTensors on a mesh with a "tp"
+    axis), else None."""
+    weight = model.layers[0].attention.wq.weight
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return None
+    return mesh["tp"].get_group()
+
+
 class StepRunner:
     def __init__(self, actor, reference, engine, optimizer, lr_scheduler, tokenizer, settings: StepSettings,
                  *, pad_id: int = 0, dp_size: int = 1, dp_group=None, memory=None):
@@ -116,8 +131,10 @@ class StepRunner:
         # (a trainable tower's block inputs per vision token besides)
         self._compact_bytes_per_token: float | None = None
         # what a training stage allocated beyond its entry and the gradients, measured on CUDA (_stage); until
-        # then the budget's estimate (memory_budget)
+        # then the budget's estimate (memory_budget); with recompute "auto", only a step whose every micro-batch
+        # recomputed is measured: the budget counts training at its recompute form (docs/memory.md)
         self._train_activation_bytes: int | None = None
+        self._train_measurable = True
 
     def attach_memory(self, memory) -> None:
         if self.settings.plan.ref_prefix_in_window or self.settings.plan.ref_suffix_in_window:
@@ -152,13 +169,18 @@ class StepRunner:
         about 8 hidden-sized and 4 MLP-sized saved tensors (norms, q/k/v, attention output; gate, up, activation,
         product), a trainable tower's blocks likewise for the 4 patches of a merged token. An overestimate only
         fuses fewer prompts in the first step (7B: ~6 MiB per token; the H200 measured several MB)."""
+        text, vision = self._block_graph_estimates()
+        return self.actor.args.text.num_layers * text + self.actor.args.vision.depth * vision
+
+    def _block_graph_estimates(self) -> tuple[float, float]:
+        """(one decoder layer's, one trainable vision block's) whole graph in bytes per merged token (see
+        _graph_estimate); the vision one 0 for a frozen tower."""
         args, size = self.actor.args, self.actor.output_weight.element_size()
         layer = lambda hidden, inter: (8 * hidden + 4 * inter) * size
-        text = args.text.num_layers * layer(args.text.hidden_size, args.text.intermediate_size)
         v = args.vision
-        vision = (v.depth * layer(v.hidden_size, v.intermediate_size) * v.spatial_merge_size ** 2
-                  if self._vision_trainable() else 0)
-        return text + vision
+        trainable = self._vision_trainable()
+        vision = layer(v.hidden_size, v.intermediate_size) * v.spatial_merge_size ** 2 if trainable else 0
+        return layer(args.text.hidden_size, args.text.intermediate_size), vision
 
     def _compact_estimate(self) -> float:
         """Bytes per prompt token the compact form holds, before it was measured: the hidden state entering each
@@ -227,9 +249,13 @@ class StepRunner:
         # the training micro-batch: its suffix graphs, the prefix graphs of its (unfused) prompts, fp32 logits
         rate = shape.activation_bytes_per_token
         train_act = self._train_activation_bytes
-        if train_act is None:
-            train_act = math.ceil(rate * (mbs * shape.max_new_tokens + math.ceil(mbs / n) * max(shape.prompt_lengths))
-                                  + 4 * mbs * shape.max_new_tokens * t.vocab_size)
+        tokens = mbs * shape.max_new_tokens + math.ceil(mbs / n) * max(shape.prompt_lengths)
+        if train_act is None and is_checkpointed(self.actor):  # the recompute form, whatever memory.recompute: a
+            # micro-batch skips the recompute only in what is left after the held prefixes (recompute_for)
+            train_act = recompute_train_bytes(shape.compact_bytes_per_token, max(self._block_graph_estimates()),
+                                              tokens, mbs * shape.max_new_tokens, t.vocab_size)
+        elif train_act is None:
+            train_act = math.ceil(rate * tokens + 4 * mbs * shape.max_new_tokens * t.vocab_size)
         pool_group = getattr(self.engine, "pool_group_bytes", None)
         one_group = pool_group(n, max(shape.prompt_lengths), shape.max_new_tokens) if pool_group else 0
         groups = min(len(shape.prompt_lengths), max(1, getattr(self.engine, "max_batch", n) // n))
@@ -268,7 +294,8 @@ class StepRunner:
             if measure:
                 torch.cuda.synchronize(self.device)
                 grads = _local_bytes(p for p in self.actor.parameters() if p.requires_grad)
-                self._train_activation_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - entry - grads)
+                if self._train_measurable:
+                    self._train_activation_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - entry - grads)
 
     # ---- the stages ------------------------------------------------------------------------------------------
     def _vision(self, step: _Step) -> None:
@@ -310,4 +337,56 @@ class StepRunner:
                                   st.loss, temperature=st.temperature, micro_batch_size=st.micro_batch_size,
                                   whole_groups=step.schedule.mode != "serial", ppo_epochs=st.ppo_epochs,
                                   grad_clip=st.grad_clip, max_len=step.params.max_new_tokens, dp_size=self.dp_size,
-                                  dp_group=self.dp_group)
+                                  dp_group=self.dp_group, recompute_for=self._recompute_for(step))
+        counts = step.result.recompute
+        step.schedule.memory.setdefault("recompute", {}).update(counts)
+        # a peak with whole graphs is not what the budget counts (the recompute form): keep the last all-recompute one
+        self._train_measurable = not (counts["off"] and is_checkpointed(self.actor))
+
+    def _recompute_for(self, step: _Step):
+        """The train phase's per-micro-batch choice (memory.recompute): "always" True; "auto" True unless the
+        forward's whole graph (memory_budget.no_recompute_bytes over the tokens it runs: its responses and the
+        prefixes not held from a fused prefill) fits in `_free_for_training` less the headroom. Each choice's
+        estimate and the free bytes are kept in schedule.memory["recompute"]; an actor without checkpointed
+        blocks has nothing to recompute (every forward counts as "off")."""
+        if not is_checkpointed(self.actor):
+            return lambda mb, req: False
+        if self.settings.recompute == "always":
+            return lambda mb, req: True
+        rate = self._activation_bytes_per_token or self._graph_estimate()
+        vocab = self.actor.args.text.vocab_size
+        serial = step.schedule.mode == "serial"
+        tp_group = _tp_group(self.actor)
+        log = step.schedule.memory.setdefault("recompute", {})
+        log.update(bytes_per_token=rate, estimates=[], free_bytes=[])
+
+        def decide(mb, req) -> bool:
+            responses = sum(req.host_lengths())
+            if serial:  # every sample runs its whole prompt
+                prefix = sum(len(req.prompts[i].input_ids) for i in req.prompt_index)
+            else:
+                prefix = sum(len(p.input_ids) for p in req.prompts if not self.scorer.store.has(self.actor, p))
+            est = no_recompute_bytes(rate, responses + prefix, responses, vocab)
+            free, margin = self._free_for_training(step)
+            log["estimates"].append(est)
+            log["free_bytes"].append(free - margin)
+            return agree_on_recompute(needs_recompute(est, free, margin), tp_group, self.device)
+
+        return decide
+
+    def _free_for_training(self, step: _Step) -> tuple[int, int]:
+        """(free bytes now, margin) for a training forward. CUDA: the device's free memory plus the allocator's
+        cached blocks (within memory.budget_gib when set), margin 5 % of the capacity; CPU: the budget less what
+        it counts resident in training (activations aside) and the held prefixes."""
+        mem = step.schedule.memory
+        capacity = mem["capacity_bytes"]
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            allocated = torch.cuda.memory_allocated(self.device)
+            free += torch.cuda.memory_reserved(self.device) - allocated
+            if self.settings.plan.memory_budget_bytes:
+                return min(free, capacity - allocated), int(HEADROOM * capacity)
+            return free, int(HEADROOM * total)
+        resident = sum(b for g, b in mem["residents"]["train"].items() if g != "activations")
+        held = sum(c.bytes for c in step.schedule.prefix_forms)
+        return capacity - resident - held, int(HEADROOM * capacity)

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..components.optim import clip_grad_norm
 from ..distributed.fsdp import reshard
+from ..models.qwen2_5_vl.parallelize import recompute
 from ..rl.advantages import compute_advantages, dynamic_sampling_keep
 from ..rl.losses import BatchTotals, LossStats, PolicyLossConfig, kl_penalty, policy_loss
 from ..rl.rewards import combine_rewards, is_correct
@@ -153,6 +155,9 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)
     skipped_nonfinite: int = 0
     entropy: float | None = None
+    # training forwards (micro-batches x epochs) whose checkpointed blocks recomputed in backward, and those that did
+    # not, as `recompute_for` decided (both 0 without it)
+    recompute: dict[str, int] = field(default_factory=lambda: {"on": 0, "off": 0})
 
 
 def all_reduce_sums(values: Sequence[float | torch.Tensor], device, dp_group) -> list[float]:
@@ -217,8 +222,12 @@ def equal_micro_batches(batches: list[list[int]], exp: Experience, micro_batch_s
 
 def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler, loss_cfg: PolicyLossConfig,
                 *, temperature: float, micro_batch_size: int, whole_groups: bool, ppo_epochs: int,
-                grad_clip: float, max_len: int, dp_size: int = 1, dp_group=None) -> TrainResult:
+                grad_clip: float, max_len: int, dp_size: int = 1, dp_group=None,
+                recompute_for: Callable[[list[int], ScoreRequest], bool] | None = None) -> TrainResult:
     """PPO-clip epochs over the kept samples with gradient accumulation; one optimizer step per epoch.
+
+    recompute_for(micro-batch, request), asked before each forward: whether the actor's checkpointed blocks
+    recompute in its backward (models/qwen2_5_vl/parallelize.recompute); None leaves them as they are.
 
     Every micro-batch loss is normalised by the whole mini-batch's totals (summed over data-parallel ranks), so
     accumulating micro-batches equals one full-batch step, whatever the partition.
@@ -243,7 +252,11 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
             idx = torch.tensor(mb, device=exp.tokens.device)
             width = req.tokens.shape[1]
             bonus = loss_cfg.entropy_coef != 0  # the entropy enters the loss (with its gradient) in every epoch
-            logp, entropy = scorer.score(actor, req, temperature, with_entropy=epoch == 0 or bonus)
+            on = recompute_for(mb, req) if recompute_for is not None else None
+            with recompute(on) if on is not None else nullcontext():
+                logp, entropy = scorer.score(actor, req, temperature, with_entropy=epoch == 0 or bonus)
+            if on is not None:
+                result.recompute["on" if on else "off"] += 1
             old = exp.old_logprobs[idx, :width]
             if epoch == 0 and live:  # on-policy: the epoch-0 forward at θk is the old policy
                 exp.old_logprobs[idx, :width] = old = logp.detach().float()

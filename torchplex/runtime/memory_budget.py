@@ -18,6 +18,10 @@ Holding forms, chosen per prompt in admission order (`choose_prefix_forms`):
     none        not fused: the prompt's actor prefix is computed in training, as in decomposed mode
 As many prompts get the whole graph as can while every other fused prompt still fits as compact; then as many
 compact as fit; the rest none.
+Recompute per training micro-batch (memory.recompute = "auto", with model.activation_checkpointing): a micro-batch
+skips the checkpointed blocks' recompute when its whole graph (`no_recompute_bytes`) fits in the memory free at its
+forward less the headroom (`needs_recompute`); the budget above counts training at its recompute form
+(`recompute_train_bytes`), so held prefixes keep their room and skipping the recompute only uses what is left.
 Nothing here is unbounded: without a room there is no fusion, and a step whose smallest form cannot fit fails before
 it runs (`BatchTooLargeError`, naming the config keys to change).
 """
@@ -29,6 +33,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.distributed as dist
 
 GRAPH, COMPACT, NONE = "graph", "compact", "none"
 HELD_STAGES = ("rollout", "ref", "train")  # a fused prefix is held from the rollout prefill to its training
@@ -149,3 +154,45 @@ def step_residents(*, actor_bytes: int, reference_bytes: int, optimizer_bytes: i
     base = {"actor_weights": actor_bytes, "ref_weights": reference_bytes, "optimizer_state": optimizer_bytes}
     return {"rollout": {**base, "kv_pool": kv_pool_bytes}, "ref": dict(base),
             "train": {**base, "grads": grad_bytes, "activations": train_activation_bytes}}
+
+
+LOGIT_COPIES = 3  # fp32 logits of a response token live ~3 times over in training: logits, log-softmax, entropy
+# rl/logprobs applies the LM head this many rows at a time (forward and backward), the chunk size scoring uses: the
+# fp32 logits alive at once are one chunk's, however many response tokens the micro-batch has
+LOGIT_CHUNK = 1024
+
+
+def logits_bytes(response_tokens: int, vocab_size: int) -> int:
+    return LOGIT_COPIES * 4 * vocab_size * min(response_tokens, LOGIT_CHUNK)
+
+
+def no_recompute_bytes(graph_bytes_per_token: float, tokens: int, response_tokens: int, vocab_size: int) -> int:
+    """A training forward's activations with every block keeping its whole graph: `tokens` (responses and the
+    prefixes it computes, not those held from a fused prefill) at the whole graph's rate, plus the fp32 logits
+    (one LM-head chunk's: `logits_bytes`)."""
+    return math.ceil(graph_bytes_per_token * tokens) + logits_bytes(response_tokens, vocab_size)
+
+
+def recompute_train_bytes(compact_bytes_per_token: float, layer_bytes_per_token: float, tokens: int,
+                          response_tokens: int, vocab_size: int) -> int:
+    """The same forward's activations when its blocks recompute: every block's input (the compact rate), the one
+    block whose graph the backward rebuilds at a time, plus the fp32 logits."""
+    return (math.ceil((compact_bytes_per_token + layer_bytes_per_token) * tokens)
+            + logits_bytes(response_tokens, vocab_size))
+
+
+def needs_recompute(est_bytes: int, free_bytes: int, margin_bytes: int) -> bool:
+    """Whether a training micro-batch must recompute: its no-recompute activations do not fit in what is free
+    less the margin."""
+    return est_bytes > free_bytes - margin_bytes
+
+
+def agree_on_recompute(need: bool, group, device) -> bool:
+    """One choice for every rank of `group` (tensor-parallel peers): recompute when any of them must. A TP'd
+    block's recompute reruns its row-parallel all-reduces, so peers that chose differently would wait on each
+    other's collectives; their free memory can differ a little, which near the threshold flips the choice."""
+    if group is None:
+        return need
+    flag = torch.tensor([float(need)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())

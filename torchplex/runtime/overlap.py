@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..models.attention import PrefixState
+from ..models.qwen2_5_vl.parallelize import recompute
 from .grpo_step import request_from_outputs
 from .phases import PhaseName, fused_into
 from .planner import Schedule
@@ -221,7 +222,9 @@ def fused_prefill(scorer, model, store: PrefixStore, forms: dict[int, str] | Non
         saved = SavedBytes(model)
         compact = CompactPrefix(model) if form == "compact" else nullcontext()
         with torch.enable_grad():  # the parts too: a view made under no_grad would cut them from the graph
-            with saved, compact:
+            # graph: a checkpointed actor's blocks keep their whole graphs too, so SavedBytes measures the rate the
+            # budget plans this form with (and training's recompute choice reads)
+            with saved, compact, recompute(form != "graph"):
                 state = scorer.prefix(model, prompts)[0]
             for b, p in enumerate(prompts):
                 part = state if len(prompts) == 1 else prompt_part(state, b, len(p.input_ids))

@@ -23,6 +23,8 @@ No sequence parallelism: the attention contexts need the whole sequence, and nor
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -77,13 +79,44 @@ def apply_tp(model: Qwen2_5_VLModel, tp_mesh) -> None:
 # Eager recompute replays the layer's Python side effects: a PrefixAttention context records that layer's
 # K/V once more during backward (extra list entries after the first num_layers; those are never read).
 _CHECKPOINTED_CLASSES: dict[type, type] = {}
+# Whether checkpointed blocks recompute in backward (`recompute`). A plain module global rather than a ContextVar:
+# torch.compile guards on a global bool (one graph per value) but would break its graph on ContextVar.get. Only
+# the thread that trains reads it with grad enabled; the decode window's thread scores under no_grad.
+_RECOMPUTE = True
+
+
+@contextmanager
+def recompute(enabled: bool):
+    """Within this block, checkpointed decoder layers and vision blocks recompute in backward (`enabled`, the
+    default outside any block) or keep their whole graph like unwrapped ones (the same numbers, no recompute:
+    the memory budget lets a micro-batch that fits skip the ~1/3 extra compute). Decided at forward time: the
+    backward of a forward run under recompute(False) recomputes nothing, wherever it runs."""
+    global _RECOMPUTE
+    before, _RECOMPUTE = _RECOMPUTE, bool(enabled)
+    try:
+        yield
+    finally:
+        _RECOMPUTE = before
+
+
+def under_current_recompute(fn):
+    """`fn`, run under the recompute setting current now: for a function an outer checkpoint() reruns in backward
+    (outside the forward's `recompute` block), whose rerun must save what its forward saved."""
+    enabled = _RECOMPUTE
+
+    def run(*args, **kwargs):
+        with recompute(enabled):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
     if cls not in _CHECKPOINTED_CLASSES:
         def forward(self, *args, **kwargs):
-            if not torch.is_grad_enabled():  # nothing to save (rollout, reference): and checkpoint() is opaque to
-                return cls.forward(self, *args, **kwargs)  # torch.compile, which the decode step needs to see through
+            if not torch.is_grad_enabled() or not _RECOMPUTE:  # nothing to save (rollout, reference), or told to
+                # keep the whole graph; and checkpoint() is opaque to torch.compile, which decode needs to see through
+                return cls.forward(self, *args, **kwargs)
             return checkpoint(cls.forward, self, *args, use_reentrant=False, **kwargs)
 
         _CHECKPOINTED_CLASSES[cls] = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
@@ -94,6 +127,12 @@ def checkpoint_block(block: nn.Module) -> None:
     """Recompute this block's activations in backward instead of keeping them. Idempotent."""
     if not any(isinstance(block, c) for c in _CHECKPOINTED_CLASSES.values()):
         block.__class__ = _checkpointed_class(type(block))
+
+
+def is_checkpointed(model: nn.Module) -> bool:
+    """Whether any decoder layer or vision block of `model` recomputes in backward (checkpoint_block)."""
+    blocks = list(model.layers) + list(getattr(model.visual, "blocks", []))
+    return any(isinstance(b, c) for b in blocks for c in _CHECKPOINTED_CLASSES.values())
 
 
 def apply_activation_checkpointing(model: Qwen2_5_VLModel) -> None:

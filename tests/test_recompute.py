@@ -1,0 +1,336 @@
+"""Activation checkpointing chosen per training micro-batch from the memory budget (memory.recompute = "auto"):
+the pure decision as data, the same step numbers whichever micro-batches recompute (against the unwrapped model,
+fp32, <= 1e-6), the flag really switching the recompute off (a layer's body runs once per forward instead of
+twice), the budget counting training at its recompute form, and the config key's validation."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from torchplex.config import ConfigError, load_config
+from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing, is_checkpointed, recompute
+from torchplex.rl.losses import PolicyLossConfig
+from torchplex.rollout.engine import RolloutEngine
+from torchplex.rollout.sampling import SamplingParams
+from torchplex.runtime.build import step_settings
+from torchplex.runtime.executor import StepRunner, StepSettings
+from torchplex.runtime.memory_budget import (HEADROOM, LOGIT_CHUNK, LOGIT_COPIES, agree_on_recompute,
+                                             needs_recompute, no_recompute_bytes, recompute_train_bytes)
+from torchplex.runtime.planner import PlanOptions
+
+TOL = 1e-6
+
+
+# ---- the decision as data ---------------------------------------------------------------------------------------
+def test_needs_recompute_when_the_whole_graph_does_not_fit_the_free_memory_less_the_margin():
+    assert not needs_recompute(900, free_bytes=1000, margin_bytes=100)   # exactly fits
+    assert needs_recompute(901, free_bytes=1000, margin_bytes=100)
+    assert needs_recompute(1, free_bytes=50, margin_bytes=100)           # nothing free past the margin
+    # a plan over micro-batches of 10 / 40 / 25 tokens at 1,000 B per token and a vocab of 8 (96 B of logits per
+    # response token), 4 response tokens each, 40,000 B free less a 5,000 B margin
+    ests = [no_recompute_bytes(1000.0, t, 4, 8) for t in (10, 40, 25)]
+    assert ests == [10_000 + 4 * 4 * 8 * LOGIT_COPIES, 40_384, 25_384]
+    assert [needs_recompute(e, 40_000, 5_000) for e in ests] == [False, True, False]
+    # the LM head runs 1,024 rows at a time (rl/logprobs): the fp32 logits of one chunk, not of every token
+    assert no_recompute_bytes(0.0, 0, 5000, 8) == no_recompute_bytes(0.0, 0, LOGIT_CHUNK, 8) == 3 * 4 * 8 * 1024
+
+
+def test_recompute_form_is_layer_inputs_plus_one_layer_plus_logits():
+    assert recompute_train_bytes(10.0, 100.0, tokens=7, response_tokens=3, vocab_size=5) == 770 + 3 * 4 * 5 * 3
+    # far below the whole graph of 28 such layers at the same tokens
+    assert recompute_train_bytes(10.0, 100.0, 7, 3, 5) < no_recompute_bytes(28 * 100.0, 7, 3, 5)
+
+
+# ---- the executor on CPU ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def setup(grpo_assets):
+    return grpo_assets.processor, grpo_assets.prompts, grpo_assets.actor, grpo_assets.reference
+
+
+class RecordingSGD(torch.optim.SGD):
+    def step(self, closure=None):
+        self.grads = [p.grad.clone() for g in self.param_groups for p in g["params"]]
+        return super().step(closure)
+
+
+KV_POOL = 2 * 2**20
+
+
+def runner_for(setup, mode, checkpointed, budget=2**40, policy="auto", checkpoint_prefix=False):
+    processor, prompts, base, reference = setup
+    actor = copy.deepcopy(base)
+    if checkpointed:
+        apply_activation_checkpointing(actor)
+    engine = RolloutEngine(actor, kv_pool_bytes=KV_POOL)
+    optimizer = RecordingSGD([p for p in actor.parameters() if p.requires_grad], lr=0.1)
+    settings = StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=4, grad_clip=1e9,
+                            loss=PolicyLossConfig(kl_coef=0.1), recompute=policy, checkpoint_prefix=checkpoint_prefix,
+                            plan=PlanOptions(mode=mode, memory_budget_bytes=budget))
+    return StepRunner(actor, copy.deepcopy(reference), engine, optimizer, None, processor.tokenizer, settings)
+
+
+def run_step(runner, setup, counting=False):
+    """One step; with `counting`, how often decoder layer 0's and vision block 0's bodies ran with grad enabled
+    (a pre-hook on a submodule fires in the forward and again in a recompute, which calls the body; a post-hook
+    would not: the recompute stops once it has rebuilt the last tensor backward needs)."""
+    prompts, tokenizer = setup[1], setup[0].tokenizer
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    params = SamplingParams(n=4, max_new_tokens=6, seed=3, stop_token_ids=stop)
+    calls = {"layer": 0, "vision": 0}
+    hooks = []
+    if counting:
+        def counter(name):
+            def hook(module, args):
+                calls[name] += torch.is_grad_enabled()
+            return hook
+        hooks = [runner.actor.layers[0].feed_forward.register_forward_pre_hook(counter("layer")),
+                 runner.actor.visual.blocks[0].mlp.register_forward_pre_hook(counter("vision"))]
+    try:
+        out = runner.run(prompts, [""] * len(prompts), params)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, calls
+
+
+def budget_for(resident: int, threshold: int) -> int:
+    """The budget whose free memory in training, less the headroom, is about `threshold` bytes."""
+    return math.ceil((threshold + resident) / (1 - HEADROOM)) + 1
+
+
+@pytest.fixture(scope="module", params=["serial", "decomposed"])
+def plain(request, setup):
+    """The unwrapped actor's step in this mode (nothing recomputes), and its estimates from a checkpointed run."""
+    mode = request.param
+    runner = runner_for(setup, mode, checkpointed=False)
+    out, calls = run_step(runner, setup, counting=True)
+    probe = runner_for(setup, mode, checkpointed=True)
+    probe_out, _ = run_step(probe, setup)
+    estimates = probe_out.schedule.memory["recompute"]["estimates"]
+    resident = sum(b for g, b in probe_out.schedule.memory["residents"]["train"].items() if g != "activations")
+    return mode, out, runner.optimizer.grads, calls, estimates, resident
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("which", ["all", "none", "mix"])
+def test_recompute_choice_keeps_the_unwrapped_step(setup, plain, which):
+    """Budgets that make every training micro-batch recompute, none, and some: losses, log-probs and every parameter
+    gradient within 1e-6 of the unwrapped actor's step; the layer bodies run once per forward without recompute,
+    twice with it (so a flag the checkpointed forward ignored would fail the counts)."""
+    mode, ref_out, ref_grads, ref_calls, estimates, resident = plain
+    assert len(set(estimates)) > 1  # the micro-batches differ (prompt and response lengths), so a mix exists
+    threshold = {"all": min(estimates) // 2, "none": 2**40,
+                 "mix": (sorted(estimates)[0] + sorted(estimates)[-1]) // 2}[which]
+    runner = runner_for(setup, mode, checkpointed=True, budget=budget_for(resident, threshold))
+    out, calls = run_step(runner, setup, counting=True)
+    log = out.schedule.memory["recompute"]
+    assert log["estimates"] == estimates
+    decisions = [needs_recompute(e, f, 0) for e, f in zip(log["estimates"], log["free_bytes"])]
+    on, off = sum(decisions), len(decisions) - sum(decisions)
+    assert {"all": off == 0, "none": on == 0, "mix": on and off}[which]
+    assert (out.train.recompute["on"], out.train.recompute["off"]) == (on, off)
+    assert (log["on"], log["off"]) == (on, off)
+    # a training peak with whole graphs would overstate the recompute form the next step's budget counts
+    assert runner._train_measurable == (off == 0)
+
+    assert torch.equal(out.experience.tokens, ref_out.experience.tokens)
+    mask = out.experience.mask
+    assert rel(out.experience.old_logprobs[mask], ref_out.experience.old_logprobs[mask]) < TOL
+    assert rel(out.train.stats.loss, ref_out.train.stats.loss) < TOL
+    assert len(runner.optimizer.grads) == len(ref_grads)
+    for g, r in zip(runner.optimizer.grads, ref_grads):
+        assert rel(g, r) < TOL
+
+    # per forward, the unwrapped layer body runs ref_calls / forwards times; a recomputing forward runs it again
+    forwards = len(decisions)
+    for name in ("layer", "vision"):
+        assert ref_calls[name] % forwards == 0 and ref_calls[name] > 0
+    per = {name: ref_calls[name] // forwards for name in ref_calls}
+    if which == "mix":  # the micro-batches differ in how often they call a block (decomposed: prefix + suffix)
+        assert ref_calls["layer"] < calls["layer"] < 2 * ref_calls["layer"]
+    else:
+        scale = 2 if which == "all" else 1
+        assert calls == {name: scale * per[name] * forwards for name in per}
+
+
+def test_always_recomputes_every_micro_batch(setup):
+    runner = runner_for(setup, "decomposed", checkpointed=True, policy="always")
+    out, calls = run_step(runner, setup)
+    assert out.train.recompute["off"] == 0 and out.train.recompute["on"] > 0
+    assert "estimates" not in out.schedule.memory["recompute"]
+
+
+def test_recompute_block_switches_the_checkpointed_forward(setup):
+    """recompute(False) keeps the whole graph (the body runs once through forward and backward), recompute(True)
+    and the default rerun it in backward; the flag is restored after the block."""
+    actor = copy.deepcopy(setup[2])
+    apply_activation_checkpointing(actor)
+    assert is_checkpointed(actor) and not is_checkpointed(setup[2])
+    layer = actor.layers[0]
+    runs = []
+    hook = layer.feed_forward.register_forward_pre_hook(lambda *a: runs.append(1))
+    x = torch.randn(1, 5, actor.args.text.hidden_size, requires_grad=True)
+    cos, sin = torch.ones(1, 1, 5, actor.args.text.head_dim), torch.zeros(1, 1, 5, actor.args.text.head_dim)
+    attend = lambda layer, q, k, v: q  # what attention does is beside the point here
+    for flag, expect in ((False, 1), (True, 2), (None, 2)):
+        runs.clear()
+        with recompute(flag) if flag is not None else torch.enable_grad():
+            y = layer(x, cos, sin, attend, 0)
+        y.sum().backward()
+        assert len(runs) == expect, (flag, len(runs))
+    hook.remove()
+
+
+def test_budget_counts_training_at_its_recompute_form(setup):
+    """Item 4 of the brief: a checkpointed actor's first-step training activations are the recompute form (layer
+    inputs, one layer's graph, logits), far below the whole-graph estimate, so held prefixes get their room."""
+    params = SamplingParams(n=4, max_new_tokens=6, seed=3)
+    plain_runner = runner_for(setup, "overlapped", checkpointed=False)
+    ckpt_runner = runner_for(setup, "overlapped", checkpointed=True)
+    shape = ckpt_runner.shape(setup[1], params)
+    plain_shape = plain_runner.shape(setup[1], params)
+    plain_act = plain_runner.memory_budget(plain_shape, params).residents["train"]["activations"]
+    budget = ckpt_runner.memory_budget(shape, params)
+    t = ckpt_runner.actor.args.text
+    tokens = 4 * 6 + 1 * max(shape.prompt_lengths)
+    want = recompute_train_bytes(shape.compact_bytes_per_token, max(ckpt_runner._block_graph_estimates()), tokens,
+                                 4 * 6, t.vocab_size)
+    assert budget.residents["train"]["activations"] == want
+    assert want < plain_act
+
+
+def test_config_key_defaults_to_auto_and_refuses_other_values():
+    assert load_config([]).memory.recompute == "auto"
+    assert step_settings(load_config(["--memory.recompute=always"])).recompute == "always"
+    with pytest.raises(ConfigError, match=r"memory\.recompute"):
+        load_config(["--memory.recompute=sometimes"])
+
+
+def test_fused_graph_form_of_a_checkpointed_actor_holds_the_whole_graph(setup):
+    """Defect (before this change): with the actor's blocks checkpointed, the overlapped step's "graph" form ran
+    the fused prefill through checkpoint(), so SavedBytes measured only the layer inputs and the rate training's
+    recompute choice reads was far below the whole graph. Now the form holds (and measures) what the unwrapped
+    actor's does, and the overlapped step (auto, nothing forced) gives the unwrapped step's numbers."""
+    outs = {}
+    for checkpointed in (False, True):
+        runner = runner_for(setup, "overlapped", checkpointed=checkpointed)
+        out, _ = run_step(runner, setup)
+        nbytes, tokens = out.prefixes.graph_bytes[id(runner.actor)]
+        outs[checkpointed] = (out, runner.optimizer.grads, nbytes / tokens)
+    (plain_out, plain_grads, plain_rate), (out, grads, rate) = outs[False], outs[True]
+    assert [c.form for c in out.schedule.prefix_forms] == ["graph"] * 3
+    assert rate == plain_rate
+    assert out.train.recompute["off"] > 0
+    assert rel(out.train.stats.loss, plain_out.train.stats.loss) < TOL
+    for g, r in zip(grads, plain_grads):
+        assert rel(g, r) < TOL
+
+
+def test_compiled_checkpointed_layer_follows_the_flag(setup):
+    """torch.compile guards on the module-level flag: a layer compiled under recompute(True) is traced again under
+    recompute(False) (a second graph), not run with the first value baked in; both give the eager gradients."""
+    actor = copy.deepcopy(setup[2])
+    apply_activation_checkpointing(actor)
+    layer = actor.layers[0]
+    t = actor.args.text
+    x = torch.randn(1, 5, t.hidden_size)
+    cos, sin = torch.ones(1, 1, 5, t.head_dim), torch.zeros(1, 1, 5, t.head_dim)
+    attend = lambda layer_index, q, k, v: q * (k.mean() + v.mean())  # every projection gets a gradient
+
+    def grads(flag):
+        layer.zero_grad(set_to_none=True)
+        with recompute(flag):
+            layer(x, cos, sin, attend, 0).square().sum().backward()
+        return [p.grad.clone() for p in layer.parameters()]
+
+    eager = grads(True)
+    layer.compile(backend="eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    on = grads(True)
+    off = grads(False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
+    for a, b, c in zip(eager, on, off):
+        assert rel(b, a) < TOL and rel(c, a) < TOL
+
+
+def test_checkpointed_prefix_reruns_with_the_forwards_choice(setup):
+    """runtime.checkpoint_prefix wraps the whole prefix forward in checkpoint(), whose rerun happens in backward,
+    outside the forward's recompute(False) block: it must rerun with the forward's choice (the blocks inside not
+    checkpointed), or the rerun saves other tensors than the forward did. Same numbers as the unwrapped actor."""
+    plain = runner_for(setup, "decomposed", checkpointed=False, checkpoint_prefix=True)
+    plain_out, _ = run_step(plain, setup)
+    runner = runner_for(setup, "decomposed", checkpointed=True, checkpoint_prefix=True)
+    out, _ = run_step(runner, setup)
+    assert out.train.recompute["off"] > 0 and out.train.recompute["on"] == 0
+    assert rel(out.train.stats.loss, plain_out.train.stats.loss) < TOL
+    for g, r in zip(runner.optimizer.grads, plain.optimizer.grads):
+        assert rel(g, r) < TOL
+
+
+@pytest.mark.parametrize("policy", ["auto", "always"])
+def test_trainer_logs_recompute_counts(tiny_ckpt, tmp_path, policy):
+    """The step's metrics carry how many training forwards recomputed (recompute/on) and how many did not."""
+    import json
+    from pathlib import Path
+
+    from torchplex.train import Trainer
+
+    debug = Path(__file__).resolve().parents[1] / "train_configs" / "debug.toml"
+    args = {"job.config_file": debug, "job.output_dir": tmp_path, "model.hf_checkpoint": tiny_ckpt,
+            "model.make_tiny_if_missing": "false", "model.activation_checkpointing": "true",
+            "memory.recompute": policy, "data.synthetic_dir": tmp_path / "data", "data.synthetic_train": 8,
+            "data.synthetic_eval": 2, "data.prompts_per_step": 2, "rollout.n_samples": 2,
+            "rollout.max_new_tokens": 4, "training.steps": 1, "training.sft_warmup_steps": 0,
+            "metrics.progress_bar": "false", "metrics.tensorboard": "false", "metrics.eval_interval": 0}
+    trainer = Trainer(load_config([f"--{k}={v}" for k, v in args.items()]))
+    trainer.train()
+    record = {}
+    for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["step"] == 1:
+            record.update(r)
+    assert record["recompute/on"] + record["recompute/off"] > 0
+    assert (record["recompute/on"] == 0) if policy == "auto" else (record["recompute/off"] == 0)
+
+
+def _agree_worker(rank, world_size, port, needs, results):
+    import torch.distributed as dist
+    from distributed_helpers import init_gloo
+
+    from torchplex.runtime.memory_budget import agree_on_recompute
+
+    from torchplex.distributed.mesh import ParallelDims
+    from torchplex.models.qwen2_5_vl.args import get_flavor
+    from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel
+    from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
+    from torchplex.runtime.executor import _tp_group
+
+    init_gloo(rank, world_size, port)
+    results[rank] = [agree_on_recompute(n, dist.group.WORLD, torch.device("cpu")) for n in needs[rank]]
+    # the group the executor agrees over: the TP mesh's, found from a TP'd actor's weights
+    model = Qwen2_5_VLModel(get_flavor("debug"))
+    assert _tp_group(model) is None
+    dims = ParallelDims(dp_shard=1, tp=world_size, world_size=world_size, device_type="cpu")
+    parallelize_qwen2_5_vl(model, dims, tp=True, fsdp=False, activation_checkpointing=True)
+    group = _tp_group(model)
+    assert group is not None and dist.get_world_size(group) == world_size
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_peers_agree_on_recompute():
+    """TP peers whose own choices differ (free memory differs a little) all recompute when any must: a TP'd
+    block's recompute reruns its all-reduces, so a split choice would hang. One choice per micro-batch."""
+    from distributed_helpers import free_port, spawn
+
+    manager = torch.multiprocessing.Manager()
+    results = manager.dict()
+    needs = [[True, False, False], [False, False, True]]
+    spawn(_agree_worker, 2, (free_port(), needs, results), timeout_s=60)
+    assert results[0] == results[1] == [True, False, True]
+    assert agree_on_recompute(False, None, torch.device("cpu")) is False
