@@ -186,6 +186,8 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
                response_tokens=int(exp.lengths.sum()), memory=memory_record(out, runner, engine, timer),
                warm_up_step=bool(first == 0 and a.repeats))
     row["s_per_sample"] = row["step_s"] / row["samples"]
+    rc = out.schedule.memory.get("recompute", {})  # training forwards that recomputed in backward, or not
+    row["recompute"] = {"on": rc.get("on", 0), "off": rc.get("off", 0)}
     if peak:
         row.update(row_mfu(runner.actor.args, out, mode, row["phases_s"], statistics.median(prefill), peak))
     if a.profile and (P, mode) == a.profile:

@@ -1,0 +1,159 @@
+"""Where the compute phases' time goes (issue 19), without a rollout: kernel time by category per phase and variant.
+
+    python benchmarks/probes/phase_profile.py --geometry 7B --prompts 8 --variants decomposed decomposed-padded \
+        decomposed-recompute serial --out prof.json
+
+Responses are drawn with the long-tailed lengths a rollout of the `img` workload gives (geometric, mean
+--mean-response, capped at --response; random token ids), so no decode step is compiled and the run takes a
+minute, not the several a real rollout costs. Per variant: a warm-up round, a timed round, then one profiled
+round of each phase — the engine's prefill (no grad), the vision tower alone, the reference log-probs, one
+training step (PPO forward + backward + AdamW at lr 0) — split by benchmarks/phase_mfu.py's kernel categories
+(GEMM, attention, norm/reduction, elementwise, copies) with the host gaps (wall time no kernel covers).
+Variants: `decomposed` / `serial` (packed scoring; the actor checkpointed but told not to recompute), `-padded`
+(padded rows instead of packed tokens), `-recompute` (every checkpointed block recomputes in backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import faulthandler
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.phase_mfu import matmul_peak, phase_flops, profiled, run_prefill, run_vision  # noqa: E402
+from benchmarks.step_bench import bench_flavor, build_policy, make_prompt, sync  # noqa: E402
+from torchplex.components.flops import mfu  # noqa: E402
+from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing, recompute  # noqa: E402
+from torchplex.rl.advantages import compute_advantages  # noqa: E402
+from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
+from torchplex.rollout.engine import RolloutEngine  # noqa: E402
+from torchplex.runtime.decomposition import DecomposedScorer  # noqa: E402
+from torchplex.runtime.grpo_step import Experience, reference_phase, train_phase  # noqa: E402
+from torchplex.runtime.scoring import SerialScorer  # noqa: E402
+
+
+def long_tailed_experience(prompts, group: int, mean: int, cap: int, vocab: int, device) -> Experience:
+    g = torch.Generator().manual_seed(0)
+    n = len(prompts) * group
+    p = 1.0 / mean
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    lengths = torch.clamp(torch.ceil(torch.log1p(-u) / torch.log1p(torch.tensor(-p, dtype=torch.float64))), 1, cap)
+    lengths = lengths.long()
+    width = int(lengths.max())
+    tokens = torch.randint(10, vocab, (n, width), generator=g)
+    tokens[torch.arange(width)[None] >= lengths[:, None]] = 0
+    rewards = torch.rand(n, generator=g)
+    return Experience(prompts=prompts, answers=[""] * len(prompts), group_size=group, tokens=tokens.to(device),
+                      lengths=lengths.to(device), sampling_logprobs=torch.zeros(n, width, device=device),
+                      finish_reasons=["stop"] * n, texts=[""] * n, rewards=rewards, reward_parts={},
+                      correct=[False] * n, advantages=compute_advantages(rewards, group).to(device),
+                      keep_groups=torch.ones(len(prompts), dtype=torch.bool))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--geometry", default="7B")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--mean-response", type=int, default=256)
+    ap.add_argument("--response", type=int, default=1024)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--variants", nargs="+", default=["decomposed", "serial"])
+    ap.add_argument("--no-profile", action="store_true", help="time only")
+    ap.add_argument("--watchdog-s", type=int, default=0)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    if a.watchdog_s:
+        faulthandler.dump_traceback_later(a.watchdog_s, exit=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    args = bench_flavor(a.geometry)
+    peak = matmul_peak(device)
+    actor, reference, optimizer = build_policy(args, dtype, device, freeze_vision=False)
+    apply_activation_checkpointing(actor)
+    prompts = [make_prompt(args, a.prompt_tokens, seed=i) for i in range(a.prompts)]
+    exp = long_tailed_experience(prompts, a.group, a.mean_response, a.response, args.text.vocab_size, device)
+    lengths = exp.lengths.tolist()
+    engine = RolloutEngine.__new__(RolloutEngine)  # only its prefill
+    engine.model, engine.pad_id, engine.device = actor, 0, device
+    result = {"topic": "mfu-profile", "command": "python benchmarks/probes/phase_profile.py " + " ".join(argv or sys.argv[1:]),
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "peak_tflops": peak / 1e12,
+              "responses": {"mean": statistics.mean(lengths), "max": max(lengths)}, "rows": []}
+    print(f"[profile] peak {peak / 1e12:.0f} TFLOP/s; responses mean {statistics.mean(lengths):.0f} max {max(lengths)}",
+          flush=True)
+    loss = PolicyLossConfig(kl_coef=0.01)
+
+    def phases(variant: str, into: dict | None = None):
+        base = variant.split("-")[0]
+        pack, again = "-padded" not in variant, "-recompute" in variant
+        scorer = SerialScorer(pack=pack) if base == "serial" else DecomposedScorer(pack=pack)
+        whole = base != "serial"
+        e = copy.copy(exp)
+        e.ref_logprobs = e.old_logprobs = None
+        seconds = {}
+        steps = {"prefill": lambda: run_prefill(engine, prompts), "vision": lambda: run_vision(actor, prompts),
+                 "reference": lambda: reference_phase(reference, scorer, e, 1.0, a.micro_batch, whole),
+                 "train": lambda: train_phase(actor, scorer, e, optimizer, None, loss, temperature=1.0,
+                                              micro_batch_size=a.micro_batch, whole_groups=whole, ppo_epochs=1,
+                                              grad_clip=1.0, max_len=e.tokens.shape[1])}
+        if hasattr(scorer, "new_step"):
+            scorer.new_step()
+        with recompute(again):
+            for name, work in steps.items():
+                if into is not None:
+                    with profiled(device, into.setdefault(name, {})):
+                        work()
+                else:
+                    sync(device)
+                    t = time.perf_counter()
+                    work()
+                    sync(device)
+                    seconds[name] = time.perf_counter() - t
+        return seconds, e
+
+    for variant in a.variants:
+        base = variant.split("-")[0]
+        row = {"variant": variant, "ok": True, "error": ""}
+        try:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            phases(variant)  # warm-up
+            seconds, e = phases(variant)
+            flops = phase_flops(args, e, base, vision_trains=True)
+            row.update(seconds=seconds, mfu={k: mfu(flops[k].total, seconds[k], peak) for k in seconds},
+                       pflop={k: flops[k].total / 1e15 for k in seconds},
+                       peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0)
+            print(f"[profile {time.strftime('%H:%M:%S')}] {variant}: "
+                  + " ".join(f"{k} {v:.2f}s ({row['mfu'][k]:.1%})" for k, v in seconds.items())
+                  + f" peak {row['peak_gib']:.1f} GiB", flush=True)
+            if not a.no_profile:
+                row["profile"] = {}
+                phases(variant, row["profile"])
+                for k, p in row["profile"].items():
+                    cats = " ".join(f"{c} {s:.2f}" for c, s in p["by_category_s"].items())
+                    print(f"    {k}: wall {p['wall_s']:.2f}s busy {p['kernel_busy_s']:.2f}s gaps {p['host_gap_s']:.2f}s"
+                          f" | {cats}", flush=True)
+        except Exception as err:  # an OOM is a row with ok: false
+            row.update(ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+            print(f"[profile] {variant} failed: {row['error']}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        result["rows"].append(row)
+        if a.out:
+            Path(a.out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
