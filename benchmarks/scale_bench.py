@@ -190,13 +190,16 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
     row["recompute"] = {"on": rc.get("on", 0), "off": rc.get("off", 0)}
     if peak:
         row.update(row_mfu(runner.actor.args, out, mode, row["phases_s"], statistics.median(prefill), peak))
-    if a.profile and (P, mode) == a.profile:
-        ptimer, prefill_profile = ProfilingTimer(device), {}
-        with profiled(device, prefill_profile):
-            run_prefill(engine, prompts)  # the engine's prefill batches, alone
-        runner.run(prompts, [""] * P, params, phase_timer=ptimer)
-        row["profile"] = {"prefill": prefill_profile, **ptimer.profiles}
     return row
+
+
+def profile_row(row: dict, P: int, runner, engine, prompts, params, device) -> None:
+    """One more step of this row under torch.profiler: kernel time by category per phase, in row["profile"]."""
+    ptimer, prefill_profile = ProfilingTimer(device), {}
+    with profiled(device, prefill_profile):
+        run_prefill(engine, prompts)  # the engine's prefill batches, alone
+    runner.run(prompts, [""] * P, params, phase_timer=ptimer)
+    row["profile"] = {"prefill": prefill_profile, **ptimer.profiles}
 
 
 
@@ -369,6 +372,12 @@ def main(argv=None) -> dict:
                     torch.cuda.empty_cache()
             rows.append(row)
             out.write_text(json.dumps(result, indent=2))  # after every row: a run stopped at its limit keeps its rows
+            if row["ok"] and a.profile == (P, mode):  # after the row is safe: parsing a 7B profile takes minutes
+                try:
+                    profile_row(row, P, runners[mode], engine, prompts, params, device)
+                finally:
+                    engine.release()
+                out.write_text(json.dumps(result, indent=2))
     for runner in runners.values():
         close(runner)
     out.write_text(json.dumps(result, indent=2))

@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
     lengths = exp.lengths.tolist()
     engine = RolloutEngine.__new__(RolloutEngine)  # only its prefill
     engine.model, engine.pad_id, engine.device = actor, 0, device
-    result = {"topic": "mfu-profile", "command": "python benchmarks/probes/phase_profile.py " + " ".join(argv or sys.argv[1:]),
+    result = {"probe": "phase_profile", "command": "python benchmarks/probes/phase_profile.py " + " ".join(argv or sys.argv[1:]),
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "peak_tflops": peak / 1e12,
               "responses": {"mean": statistics.mean(lengths), "max": max(lengths)}, "rows": []}
@@ -137,6 +137,8 @@ def main(argv=None) -> dict:
             print(f"[profile {time.strftime('%H:%M:%S')}] {variant}: "
                   + " ".join(f"{k} {v:.2f}s ({row['mfu'][k]:.1%})" for k, v in seconds.items())
                   + f" peak {row['peak_gib']:.1f} GiB", flush=True)
+            if a.out:  # the timed row first: parsing a profile of a 7B training step takes minutes
+                Path(a.out).write_text(json.dumps({**result, "rows": result["rows"] + [row]}, indent=2))
             if not a.no_profile:
                 row["profile"] = {}
                 phases(variant, row["profile"])
