@@ -334,7 +334,11 @@ def main(argv=None) -> dict:
     for i, P in enumerate(a.prompt_list):
         prompts = workload_prompts(args, a, P)
         if i and a.warmup == "first" and a.repeats:
-            # a new P is a new KV-pool shape: its decode step compiles and captures in this rollout, outside any row
+            # a new P is a new KV-pool shape: its decode step compiles and captures in this rollout, outside any row.
+            # The pool must be the one the steps will use: the first mode's plan sizes it from this P's budget (else
+            # the engine keeps the previous P's size, and the first timed step compiles its own pool shape)
+            if a.mode_list[0] in runners:
+                runners[a.mode_list[0]].plan(prompts, params)
             t = time.perf_counter()
             engine.generate(prompts, params)
             engine.release()

@@ -98,3 +98,26 @@ def test_warmup_first_warms_each_new_p_with_a_rollout_and_reuses_the_runners_rat
     measured_per_prompt = rate(first)
     # the same prompt length at both P: the planned bytes per held prompt at P=2 are the measured ones of P=1
     assert abs(second["planned"]["held_graph_bytes"] / 2 - measured_per_prompt) <= 0.01 * measured_per_prompt
+
+
+def test_the_warm_up_rollout_of_a_new_p_decodes_in_the_pool_its_steps_use(tmp_path, monkeypatch):
+    """Defect (H200, img P = 32 then 64): the warm-up rollout of P = 64 ran in the pool the previous P's budget had
+    sized (32 groups), so the first timed step at P = 64 compiled the decode step for its own 64-group pool inside
+    the row. The warm-up must decode in the pool geometry the steps of that P decode in."""
+    from torchplex.rollout.engine import RolloutEngine
+
+    pools, generate = [], RolloutEngine.generate
+
+    def recording(self, prompts, params, **kw):
+        out = generate(self, prompts, params, **kw)
+        pools.append((len(prompts), self.pool.num_groups, self.pool.max_prompt, self.pool.max_new))
+        return out
+
+    monkeypatch.setattr(RolloutEngine, "generate", recording)
+    scale_bench.main(["--geometry", "debug", "--dtype", "float32", "--prompt-tokens", "32", "--response", "4",
+                      "--group", "2", "--micro-batch", "4", "--repeats", "1", "--prompts", "1,2",
+                      "--modes", "decomposed", "--warmup", "first", "--out", str(tmp_path / "p.json"),
+                      "--plot", str(tmp_path / "p.png")])
+    # P=1: warm-up step, timed step; P=2: warm-up rollout, timed step
+    assert [p[0] for p in pools] == [1, 1, 2, 2]
+    assert pools[2] == pools[3] and pools[3][1] == 2
