@@ -58,6 +58,39 @@ def long_tailed_experience(prompts, group: int, mean: int, cap: int, vocab: int,
                       keep_groups=torch.ones(len(prompts), dtype=torch.bool))
 
 
+def gap_attribution(prof, min_gap_us: float = 500.0, top: int = 15) -> dict:
+    """Where the host was when the GPU ran dry: every interval of at least min_gap_us with no kernel running, charged
+    to the innermost CPU op spanning its midpoint and that op's first torchplex/benchmarks stack frame (a profile
+    recorded with_stack). Returns the idle seconds per (op, frame), largest first, and the gaps' total."""
+    import bisect
+
+    events = prof.events()
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == cuda)
+    gaps, end = [], None
+    for s, e in kernels:
+        if end is not None and s - end >= min_gap_us:
+            gaps.append((end, s))
+        end = e if end is None else max(end, e)
+    cpu = sorted((e for e in events if e.device_type != cuda and e.time_range.end - e.time_range.start < 2e5),
+                 key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in cpu]
+    frame = lambda e: next((f for f in (e.stack or []) if "torchplex/" in f or "benchmarks/" in f), "")
+    charged: dict[str, float] = {}
+    for a, b in gaps:
+        m = (a + b) / 2
+        best = None
+        for i in range(bisect.bisect_right(starts, m) - 1, max(-1, bisect.bisect_right(starts, m) - 20000), -1):
+            e = cpu[i]
+            if e.time_range.end >= m and (best is None or e.time_range.end - e.time_range.start
+                                          < best.time_range.end - best.time_range.start):
+                best = e
+        key = f"{best.name} @ {frame(best)}" if best is not None else "(no CPU op)"
+        charged[key] = charged.get(key, 0.0) + (b - a) / 1e6
+    return {"gaps": len(gaps), "idle_s": sum(b - a for a, b in gaps) / 1e6, "min_gap_us": min_gap_us,
+            "by_op_s": dict(sorted(charged.items(), key=lambda kv: -kv[1])[:top])}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--geometry", default="7B")
@@ -70,6 +103,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--variants", nargs="+", default=["decomposed", "serial"])
     ap.add_argument("--no-profile", action="store_true", help="time only")
+    ap.add_argument("--gaps", action="store_true", help="instead of the kernel categories: one profiled round of "
+                    "the reference and training phases with Python stacks, the GPU's idle gaps charged to the CPU op "
+                    "and source line the host was in")
     ap.add_argument("--watchdog-s", type=int, default=0)
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
@@ -139,7 +175,17 @@ def main(argv=None) -> dict:
                   + f" peak {row['peak_gib']:.1f} GiB", flush=True)
             if a.out:  # the timed row first: parsing a profile of a 7B training step takes minutes
                 Path(a.out).write_text(json.dumps({**result, "rows": result["rows"] + [row]}, indent=2))
-            if not a.no_profile:
+            if a.gaps:
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+                    phases(variant)
+                    sync(device)
+                row["gaps"] = gap_attribution(prof)
+                g = row["gaps"]
+                print(f"    GPU idle {g['idle_s']:.2f}s in {g['gaps']} gaps >= {g['min_gap_us']:.0f} us:", flush=True)
+                for k, v in g["by_op_s"].items():
+                    print(f"      {v:7.3f}s  {k}", flush=True)
+            elif not a.no_profile:
                 row["profile"] = {}
                 phases(variant, row["profile"])
                 for k, p in row["profile"].items():
