@@ -37,7 +37,7 @@ from benchmarks.step_bench import (NullTokenizer, bench_flavor, build_policy, lo
                                    sync)
 from benchmarks.phase_mfu import (grids_of, logprob_mismatch, matmul_peak, phase_flops, profiled,  # noqa: E402
                                   run_prefill)
-from torchplex.components.flops import TRAIN_FACTOR, mfu, prefill_flops  # noqa: E402
+from torchplex.components.flops import mfu, prefill_flops  # noqa: E402
 from torchplex.components.metrics import PhaseTimer  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
@@ -157,7 +157,7 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
            "step_s": 0.0, "phases_s": {}, "peak_gib": 0.0, "samples": P * a.group, "tokens": 0, "ok": True,
            "error": ""}
     steps, phases, peak_bytes, out, timer = [], {k: [] for k in STAGES}, 0, None, PhaseTimer(device)
-    prefill, timed = [], []
+    prefill = []
     # the first step warms up allocators, compilations and the measured rates; --warmup first: only the first
     # mode at each P (the decode step's compilation and capture are the engine's, shared by the modes)
     first = 0 if (warm_up or not a.repeats) else 1
@@ -176,7 +176,6 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
         if rep or not a.repeats:
             steps.append(step_s)
             prefill.append(engine.stats.prefill_s - prefill_before)
-            timed.append(out)
             for k in STAGES:
                 phases[k].append(out.timeline.total_s(k))
     exp = out.experience
@@ -186,6 +185,7 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
                response_tokens=int(exp.lengths.sum()), memory=memory_record(out, runner, engine, timer),
                warm_up_step=bool(first == 0 and a.repeats))
     row["s_per_sample"] = row["step_s"] / row["samples"]
+    row["window_phases"] = [str(ph.name) for ph in out.schedule.phases if ph.in_window]  # beside decode
     rc = out.schedule.memory.get("recompute", {})  # training forwards that recomputed in backward, or not
     row["recompute"] = {"on": rc.get("on", 0), "off": rc.get("off", 0)}
     if peak:

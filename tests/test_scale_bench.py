@@ -121,3 +121,17 @@ def test_the_warm_up_rollout_of_a_new_p_decodes_in_the_pool_its_steps_use(tmp_pa
     # P=1: warm-up step, timed step; P=2: warm-up rollout, timed step
     assert [p[0] for p in pools] == [1, 1, 2, 2]
     assert pools[2] == pools[3] and pools[3][1] == 2
+
+
+def test_overlapped_window_mode_scores_the_reference_in_the_decode_window(tmp_path):
+    """`overlapped-window`: the overlapped step with the reference scored beside decode (runtime.reference_in_window),
+    which leaves the ref stage less to do than plain overlapped with the same samples."""
+    rows = scale_bench.main(["--geometry", "debug", "--dtype", "float32", "--prompt-tokens", "32", "--response", "4",
+                             "--group", "2", "--micro-batch", "4", "--repeats", "0", "--prompts", "2",
+                             "--modes", "overlapped,overlapped-window", "--out", str(tmp_path / "o.json"),
+                             "--plot", str(tmp_path / "o.png")])["rows"]
+    plain, window = rows
+    assert plain["ok"] and window["ok"], window["error"]
+    assert window["mode"] == "overlapped-window" and window["response_tokens"] == plain["response_tokens"]
+    assert plain["window_phases"] == [] and window["window_phases"]  # the reference placed beside decode
+    assert all("ref" in name for name in window["window_phases"])
