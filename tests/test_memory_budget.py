@@ -2,20 +2,19 @@
 the mixed plan with the serial step's numbers, the KV pool is sized from the same budget, and a step that cannot
 fit fails before it runs, naming the config keys."""
 
-import copy
 import dataclasses
 import math
 
 import pytest
 import torch
 
-from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
-from torchplex.runtime.executor import StepRunner, StepSettings
 from torchplex.runtime.memory_budget import (COMPACT, FIT_KEYS, GRAPH, HEADROOM, NONE, BatchTooLargeError, MemoryBudget,
-                                             choose_prefix_forms, kv_pool_bytes, step_residents)
+                                             kv_pool_bytes, step_residents)
 from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
+
+from step_runners import cpu_runner
 
 RTOL = 1e-5
 SHAPE = StepShape(prompt_lengths=(100, 60, 100), group_size=4, max_new_tokens=8, kv_bytes_per_token=1000,
@@ -123,23 +122,9 @@ def setup(grpo_assets):
     return grpo_assets.processor, grpo_assets.prompts, grpo_assets.actor, grpo_assets.reference
 
 
-class RecordingSGD(torch.optim.SGD):
-    """SGD that keeps a copy of every gradient it steps on (the step's gradients, compared across modes)."""
-
-    def step(self, closure=None):
-        self.grads = [p.grad.clone() for g in self.param_groups for p in g["params"]]
-        return super().step(closure)
-
-
 def runner_for(setup, mode, budget=0, micro_batch=8, kv_pool=16 * 2**20, from_budget=False):
-    processor, prompts, base, reference = setup
-    actor = copy.deepcopy(base)
-    engine = RolloutEngine(actor, kv_pool_bytes=kv_pool)
-    optimizer = RecordingSGD([p for p in actor.parameters() if p.requires_grad], lr=0.1)
-    settings = StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=micro_batch,
-                            grad_clip=1e9, loss=PolicyLossConfig(kl_coef=0.1), kv_pool_from_budget=from_budget,
-                            plan=PlanOptions(mode=mode, memory_budget_bytes=budget))
-    return StepRunner(actor, copy.deepcopy(reference), engine, optimizer, None, processor.tokenizer, settings)
+    return cpu_runner(setup, mode, budget=budget, micro_batch=micro_batch, kv_pool=kv_pool,
+                      kv_pool_from_budget=from_budget)
 
 
 PARAMS = dict(n=4, max_new_tokens=6, seed=3)

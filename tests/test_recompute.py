@@ -11,14 +11,12 @@ import torch
 
 from torchplex.config import ConfigError, load_config
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing, is_checkpointed, recompute
-from torchplex.rl.losses import PolicyLossConfig
-from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.build import step_settings
-from torchplex.runtime.executor import StepRunner, StepSettings
 from torchplex.runtime.memory_budget import (HEADROOM, LOGIT_CHUNK, LOGIT_COPIES, agree_on_recompute,
                                              needs_recompute, no_recompute_bytes, recompute_train_bytes)
-from torchplex.runtime.planner import PlanOptions
+
+from step_runners import cpu_runner
 
 TOL = 1e-6
 
@@ -49,26 +47,12 @@ def setup(grpo_assets):
     return grpo_assets.processor, grpo_assets.prompts, grpo_assets.actor, grpo_assets.reference
 
 
-class RecordingSGD(torch.optim.SGD):
-    def step(self, closure=None):
-        self.grads = [p.grad.clone() for g in self.param_groups for p in g["params"]]
-        return super().step(closure)
-
-
 KV_POOL = 2 * 2**20
 
 
 def runner_for(setup, mode, checkpointed, budget=2**40, policy="auto", checkpoint_prefix=False):
-    processor, prompts, base, reference = setup
-    actor = copy.deepcopy(base)
-    if checkpointed:
-        apply_activation_checkpointing(actor)
-    engine = RolloutEngine(actor, kv_pool_bytes=KV_POOL)
-    optimizer = RecordingSGD([p for p in actor.parameters() if p.requires_grad], lr=0.1)
-    settings = StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=4, grad_clip=1e9,
-                            loss=PolicyLossConfig(kl_coef=0.1), recompute=policy, checkpoint_prefix=checkpoint_prefix,
-                            plan=PlanOptions(mode=mode, memory_budget_bytes=budget))
-    return StepRunner(actor, copy.deepcopy(reference), engine, optimizer, None, processor.tokenizer, settings)
+    return cpu_runner(setup, mode, budget=budget, micro_batch=4, kv_pool=KV_POOL, checkpointed=checkpointed,
+                      recompute=policy, checkpoint_prefix=checkpoint_prefix)
 
 
 def run_step(runner, setup, counting=False):

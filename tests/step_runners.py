@@ -1,0 +1,38 @@
+"""Step runners over the tiny checkpoint for CPU tests of the executor (the grpo_assets fixture's model and
+prompts), with an optimizer that keeps the gradients it stepped on, so tests compare whole steps across settings."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing
+from torchplex.rl.losses import PolicyLossConfig
+from torchplex.rollout.engine import RolloutEngine
+from torchplex.runtime.executor import StepRunner, StepSettings
+from torchplex.runtime.planner import PlanOptions
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps a copy of every gradient it steps on (the step's gradients, compared across modes)."""
+
+    def step(self, closure=None):
+        self.grads = [p.grad.clone() for g in self.param_groups for p in g["params"]]
+        return super().step(closure)
+
+
+def cpu_runner(setup, mode: str, *, budget: int, micro_batch: int, kv_pool: int, checkpointed: bool = False,
+               **settings) -> StepRunner:
+    """A StepRunner of `mode` on a copy of the setup's actor (checkpointed blocks if asked) and reference, a
+    memory budget of `budget` bytes (0: the device's), SGD at lr 0.1; `settings` go to StepSettings."""
+    processor, prompts, base, reference = setup
+    actor = copy.deepcopy(base)
+    if checkpointed:
+        apply_activation_checkpointing(actor)
+    engine = RolloutEngine(actor, kv_pool_bytes=kv_pool)
+    optimizer = RecordingSGD([p for p in actor.parameters() if p.requires_grad], lr=0.1)
+    step_settings = StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=micro_batch,
+                                 grad_clip=1e9, loss=PolicyLossConfig(kl_coef=0.1),
+                                 plan=PlanOptions(mode=mode, memory_budget_bytes=budget), **settings)
+    return StepRunner(actor, copy.deepcopy(reference), engine, optimizer, None, processor.tokenizer, step_settings)
