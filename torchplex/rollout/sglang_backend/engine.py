@@ -159,6 +159,15 @@ class SGLangRolloutEngine:
         self._released = False
         self._full_push = True  # the engine's weights are the checkpoint's until the first push
 
+    def _control(self, name: str, **kwargs) -> float:
+        """One of SGLang's synchronous control calls, bounded by rollout.sglang_timeout_s and checked for failure;
+        the seconds it took."""
+        t0 = time.perf_counter()
+        with deadline(self.timeout_s, name):
+            result = getattr(self.engine, name)(**kwargs)
+        _check(result, name)
+        return time.perf_counter() - t0
+
     # ---- memory --------------------------------------------------------------------------------------------
     def release(self) -> None:
         """Free SGLang's KV cache and weights until `resume` (their contents are not kept: weights are pushed
@@ -166,11 +175,7 @@ class SGLangRolloutEngine:
         if self._released:
             return
         if self.engine is not None:
-            t0 = time.perf_counter()
-            with deadline(self.timeout_s, "release_memory_occupation"):
-                result = self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
-            _check(result, "release_memory_occupation")
-            self.stats.release_s.append(time.perf_counter() - t0)
+            self.stats.release_s.append(self._control("release_memory_occupation", tags=["kv_cache", "weights"]))
         self._released = True
         self._full_push = True
 
@@ -178,11 +183,7 @@ class SGLangRolloutEngine:
         if not self._released:
             return
         if self.engine is not None:
-            t0 = time.perf_counter()
-            with deadline(self.timeout_s, "resume_memory_occupation"):
-                result = self.engine.resume_memory_occupation(tags=["weights", "kv_cache"])
-            _check(result, "resume_memory_occupation")
-            self.stats.resume_s.append(time.perf_counter() - t0)
+            self.stats.resume_s.append(self._control("resume_memory_occupation", tags=["weights", "kv_cache"]))
         self._released = False
 
     # ---- weights -------------------------------------------------------------------------------------------
@@ -194,9 +195,7 @@ class SGLangRolloutEngine:
         for bucket in buckets(named, self.bucket_bytes):
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
             if self.engine is not None:
-                with deadline(self.timeout_s, "update_weights_from_tensor"):
-                    result = self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=True)
-                _check(result, "update_weights_from_tensor")
+                self._control("update_weights_from_tensor", named_tensors=bucket, flush_cache=True)
             del bucket  # the gathered copies go before the next bucket is gathered
         self._full_push = False
         self.stats.weight_push_s.append(time.perf_counter() - t0)
