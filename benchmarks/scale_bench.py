@@ -101,19 +101,15 @@ def step_flops(args, exp, mode: str, forms: list[str], vision_stage: bool) -> di
     the rollout prefill (vision inside), the reference, training, and (frozen tower) the step's one vision pass.
     Overlapped: a prompt whose actor prefix was held from the fused prefill (form graph or compact) runs only that
     prefix's backward in training; its forward is the prefill's. Recomputation is not counted (model FLOPs)."""
-    base = "serial" if mode == "serial" else "decomposed"
-    vision_trains = not vision_stage
-    f = phase_flops(args, exp, base, vision_trains)
-    lens = [len(p.input_ids) for p in exp.prompts]
-    grids = [grids_of(p) for p in exp.prompts]
-    prefill = prefill_flops(args, lens, [x for gs in grids for x in gs])
-    train, ref = f["train"], f["reference"]
-    if vision_stage and base != "serial":  # the step's one vision pass serves the prefill, reference and train
+    f = phase_flops(args, exp, mode, vision_trains=not vision_stage)  # overlapped counts as decomposed there
+    prefill, train, ref = f["prefill"], f["train"], f["reference"]
+    if vision_stage and mode != "serial":  # the step's one vision pass serves the prefill, reference and train
         ref.vision = train.vision = prefill.vision = 0.0
-    for i, form in enumerate(forms):
+    for p, form in zip(exp.prompts, forms):
         if form in ("graph", "compact"):
-            held = prefill_flops(args, [lens[i]], grids[i], logit_tokens=0)
-            held.vision = held.vision if vision_trains else 0.0
+            held = prefill_flops(args, [len(p.input_ids)], grids_of(p), logit_tokens=0)
+            if vision_stage:
+                held.vision = 0.0
             train = train + held.scaled(-1.0)
     out = {"prefill": prefill, "reference": ref, "train": train}
     if vision_stage:
