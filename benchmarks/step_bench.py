@@ -55,13 +55,17 @@ def make_prompt(args, prompt_tokens: int, seed: int):
                            pixel_values_videos=None, video_grid_thw=None, second_per_grid_ts=None)
 
 
-def make_experience(prompts, group: int, response: int, vocab: int, device) -> Experience:
+def make_experience(prompts, group: int, response: int, vocab: int, device, lengths=None) -> Experience:
+    """G random responses per prompt of `response` tokens each, or of `lengths` (one per sample, at most
+    `response`; the rest of each row padded with 0)."""
     n = len(prompts) * group
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(10, vocab, (n, response), generator=g).to(device)
+    tokens = torch.randint(10, vocab, (n, response), generator=g)
+    lengths = torch.full((n,), response) if lengths is None else lengths
+    tokens[torch.arange(response)[None] >= lengths[:, None]] = 0
     rewards = torch.rand(n, generator=g)
-    return Experience(prompts=prompts, answers=[""] * len(prompts), group_size=group, tokens=tokens,
-                      lengths=torch.full((n,), response, device=device), sampling_logprobs=torch.zeros(n, response),
+    return Experience(prompts=prompts, answers=[""] * len(prompts), group_size=group, tokens=tokens.to(device),
+                      lengths=lengths.to(device), sampling_logprobs=torch.zeros(n, response),
                       finish_reasons=["length"] * n, texts=[""] * n, rewards=rewards, reward_parts={},
                       correct=[False] * n, advantages=compute_advantages(rewards, group).to(device),
                       keep_groups=torch.ones(len(prompts), dtype=torch.bool))

@@ -29,33 +29,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.phase_mfu import matmul_peak, phase_flops, profiled, run_prefill, run_vision  # noqa: E402
-from benchmarks.step_bench import bench_flavor, build_policy, make_prompt, sync  # noqa: E402
+from benchmarks.step_bench import bench_flavor, build_policy, make_experience, make_prompt, sync  # noqa: E402
 from torchplex.components.flops import mfu  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing, recompute  # noqa: E402
-from torchplex.rl.advantages import compute_advantages  # noqa: E402
 from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
 from torchplex.runtime.decomposition import DecomposedScorer  # noqa: E402
-from torchplex.runtime.grpo_step import Experience, reference_phase, train_phase  # noqa: E402
+from torchplex.runtime.grpo_step import reference_phase, train_phase  # noqa: E402
 from torchplex.runtime.scoring import SerialScorer  # noqa: E402
 
 
-def long_tailed_experience(prompts, group: int, mean: int, cap: int, vocab: int, device) -> Experience:
-    g = torch.Generator().manual_seed(0)
-    n = len(prompts) * group
-    p = 1.0 / mean
-    u = torch.rand(n, generator=g, dtype=torch.float64)
-    lengths = torch.clamp(torch.ceil(torch.log1p(-u) / torch.log1p(torch.tensor(-p, dtype=torch.float64))), 1, cap)
-    lengths = lengths.long()
-    width = int(lengths.max())
-    tokens = torch.randint(10, vocab, (n, width), generator=g)
-    tokens[torch.arange(width)[None] >= lengths[:, None]] = 0
-    rewards = torch.rand(n, generator=g)
-    return Experience(prompts=prompts, answers=[""] * len(prompts), group_size=group, tokens=tokens.to(device),
-                      lengths=lengths.to(device), sampling_logprobs=torch.zeros(n, width, device=device),
-                      finish_reasons=["stop"] * n, texts=[""] * n, rewards=rewards, reward_parts={},
-                      correct=[False] * n, advantages=compute_advantages(rewards, group).to(device),
-                      keep_groups=torch.ones(len(prompts), dtype=torch.bool))
+def long_tailed_lengths(n: int, mean: int, cap: int) -> torch.Tensor:
+    """n response lengths drawn geometric with this mean, capped, at least 1: a rollout's long tail."""
+    u = torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    p = torch.tensor(-1.0 / mean, dtype=torch.float64)
+    return torch.clamp(torch.ceil(torch.log1p(-u) / torch.log1p(p)), 1, cap).long()
 
 
 def gap_attribution(prof, min_gap_us: float = 500.0, top: int = 15) -> dict:
@@ -118,7 +106,8 @@ def main(argv=None) -> dict:
     actor, reference, optimizer = build_policy(args, dtype, device, freeze_vision=False)
     apply_activation_checkpointing(actor)
     prompts = [make_prompt(args, a.prompt_tokens, seed=i) for i in range(a.prompts)]
-    exp = long_tailed_experience(prompts, a.group, a.mean_response, a.response, args.text.vocab_size, device)
+    lengths = long_tailed_lengths(a.prompts * a.group, a.mean_response, a.response)
+    exp = make_experience(prompts, a.group, int(lengths.max()), args.text.vocab_size, device, lengths=lengths)
     lengths = exp.lengths.tolist()
     engine = RolloutEngine.__new__(RolloutEngine)  # only its prefill
     engine.model, engine.pad_id, engine.device = actor, 0, device
