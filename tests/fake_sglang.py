@@ -134,8 +134,14 @@ class FakeSGLangEngine:
         unknown = set(kw) - GENERATE_KEYS
         if unknown:
             raise TypeError(f"fake sglang: Engine.async_generate() got unexpected keyword(s) {sorted(unknown)}")
-        if prompt is not None or not (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)):
-            raise ValueError("fake sglang: only a batch of input_ids lists is modelled")
+        single = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], int)  # io_struct.py
+        if single:  # one request: a flat id list, a sampling-params dict, its images (one item or a list of them)
+            if not isinstance(sampling_params, dict):
+                raise ValueError("fake sglang: a single request takes one sampling-params dict")
+            images = None if image_data is None else image_data if isinstance(image_data, list) else [image_data]
+            input_ids, sampling_params, image_data = [input_ids], [sampling_params], None if images is None else [images]
+        elif prompt is not None or not (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)):
+            raise ValueError("fake sglang: only input_ids (one list of ids, or a batch of them) are modelled")
         if not (isinstance(sampling_params, list) and len(sampling_params) == len(input_ids)):
             raise ValueError("fake sglang: one sampling-params dict per request")
         if image_data is not None and len(image_data) != len(input_ids):
@@ -166,7 +172,7 @@ class FakeSGLangEngine:
             if return_logprob:  # (logprob, token id, text: None unless return_text_in_logprobs)
                 meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(s.logprobs, s.token_ids)]
             answers.append({"output_ids": list(s.token_ids), "meta_info": meta})
-        return answers
+        return answers[0] if single else answers
 
     def shutdown(self):
         self.loop.close()

@@ -49,22 +49,21 @@ def checkpoint_names(ckpt) -> dict:
 def test_requests_are_one_seeded_request_per_sample_with_the_processor_output(prompts):
     params = SamplingParams(n=3, temperature=0.7, max_new_tokens=5, stop_token_ids=[7])
     seeds = sample_seeds(4, 3, range(2))
-    kw = build_requests(prompts, params, seeds)
-    assert len(kw["input_ids"]) == len(kw["sampling_params"]) == len(kw["image_data"]) == 6
-    assert [sp["sampling_seed"] for sp in kw["sampling_params"]] == seeds[0] + seeds[1]  # not n=3: distinct seeds
-    assert all("n" not in sp for sp in kw["sampling_params"])
-    assert kw["input_ids"][0] == prompts[0].input_ids.tolist() and kw["input_ids"][3] == prompts[1].input_ids.tolist()
-    item = kw["image_data"][0]
+    reqs = build_requests(prompts, params, seeds)
+    assert len(reqs) == 6 and all(isinstance(r["input_ids"][0], int) for r in reqs)  # single requests
+    assert [r["sampling_params"]["sampling_seed"] for r in reqs] == seeds[0] + seeds[1]  # not n=3: distinct seeds
+    assert all("n" not in r["sampling_params"] for r in reqs)
+    assert reqs[0]["input_ids"] == prompts[0].input_ids.tolist() and reqs[3]["input_ids"] == prompts[1].input_ids.tolist()
+    [item] = reqs[0]["image_data"]
     assert item["format"] == "processor_output"  # no second preprocessing: the very tensors of the processor
     assert item["pixel_values"] is prompts[0].pixel_values and item["image_grid_thw"] is prompts[0].image_grid_thw
-    assert kw["image_data"][3] is None and kw["return_logprob"] is True
-    sp = kw["sampling_params"][0]
+    assert "image_data" not in reqs[3] and reqs[3]["return_logprob"] is True
+    sp = reqs[0]["sampling_params"]
     assert (sp["temperature"], sp["top_p"], sp["top_k"], sp["max_new_tokens"], sp["stop_token_ids"]) == \
         (0.7, 1.0, -1, 5, [7])  # top_k 0 (off) is SGLang's -1
     assert sampling_params_for(SamplingParams(greedy=True), 1)["temperature"] == 0.0
     huge = [sampling_params_for(params, 2**64 + j)["sampling_seed"] for j in range(2)]  # SGLang's seeds are int64
     assert all(0 <= s < 2**63 for s in huge) and huge[0] != huge[1]
-    assert "image_data" not in build_requests(prompts[1:], params, seeds[1:])
     with pytest.raises(ValueError, match="3 seeds"):
         build_requests(prompts, params, [[1, 2], [3, 4]])
 
@@ -101,26 +100,26 @@ def test_the_fake_refuses_what_sglang_refuses(tiny_ckpt, prompts):
     outputs per request, image tokens that do not match the grid, an unknown memory tag."""
     fake = FakeSGLangEngine(model_path=str(tiny_ckpt))
     params = SamplingParams(n=1, max_new_tokens=2)
-    ok = build_requests(prompts[:1], params, [[0]])
+    [ok] = build_requests(prompts[:1], params, [[0]])
     run = lambda **kw: fake.loop.run_until_complete(fake.async_generate(**{**ok, **kw}))
-    assert run()[0]["meta_info"]["finish_reason"]["type"] in ("stop", "length")  # ours is accepted
-    sp = ok["sampling_params"][0]
+    assert run()["meta_info"]["finish_reason"]["type"] in ("stop", "length")  # ours is accepted
+    sp = ok["sampling_params"]
     for bad in ({**sp, "top_k": 0}, {**sp, "seed": 1}, {**sp, "top_p": 0.0}, {**sp, "sampling_seed": 2**63}):
         with pytest.raises((TypeError, ValueError)):
-            run(sampling_params=[bad])
+            run(sampling_params=bad)
     with pytest.raises(TypeError, match="unexpected keyword"):
         run(return_logprobs=True)
     item = ok["image_data"][0]
     image = Image.new("RGB", (56, 56))
-    for bad in ([image], [[item, item]], [{**item, "format": "pixel_values"}],
+    for bad in ([image], [item, item], [{**item, "format": "pixel_values"}],
                 [{**item, "image_grid_thw": item["image_grid_thw"][0]}]):
         with pytest.raises(ValueError):
             run(image_data=bad)
     pad = fake.model.args.image_token_id
-    ids = ok["input_ids"][0]
+    ids = ok["input_ids"]
     one_pad = [t for i, t in enumerate(ids) if t != pad or ids.index(pad) == i]  # the unexpanded prompt
     with pytest.raises(ValueError, match="image tokens"):
-        run(input_ids=[one_pad])
+        run(input_ids=one_pad)
     with pytest.raises(ValueError, match="memory tags"):
         fake.release_memory_occupation(tags=["kv"])
     fake.shutdown()
@@ -208,6 +207,9 @@ def test_engine_pushes_weights_samples_and_releases_like_the_native_engine(tiny_
             assert (a.prompt_index, a.sample_index, a.token_ids, a.finish_reason) == \
                 (b.prompt_index, b.sample_index, b.token_ids, b.finish_reason)
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)
+    # one single-request async_generate call per sample: SGLang 0.5.17's batched call fails the whole batch with a
+    # KeyError when one of its requests finishes before the last is sent (requests.build_requests)
+    assert len(fake.requests) == len(prompts) * params.n and all(len(r["input_ids"]) == 1 for r in fake.requests)
     assert sum(map(len, fake.pushes)) == len(list(actor.parameters()))  # first push: everything
     engine.release()
     assert fake.released == {"kv_cache", "weights"}

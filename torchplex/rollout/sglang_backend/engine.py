@@ -8,8 +8,8 @@ SGLang's weight memory holds nothing meaningful, so the next push sends every pa
 trainable ones (a frozen vision tower is not sent again).
 
 Capabilities (declared, the planner reads them): the model runs in SGLang's scheduler process, so there is no
-prefill hook (no fused actor prefix), no per-decode-step hook, and finished samples are not streamed back (the
-whole `async_generate` call is awaited; streaming them through the async API is future work). The trainer's
+prefill hook (no fused actor prefix), no per-decode-step hook, and finished samples are not streamed back (one
+`async_generate` call per sample, all awaited together; handing finished ones on early is future work). The trainer's
 prefix and reference work therefore run after rollout, and the schedule says why.
 
 rollout_tp > 1: the engine runs on the first rank of the actor's TP group (SGLang's own TP over the group's
@@ -214,7 +214,11 @@ class SGLangRolloutEngine:
         outputs: list = []
         if self.engine is not None and prompts:
             t0 = time.perf_counter()
-            answers = self._await(self.engine.async_generate(**build_requests(prompts, params, seeds)))
+            requests = build_requests(prompts, params, seeds)
+
+            async def answer_all():
+                return await asyncio.gather(*(self.engine.async_generate(**r) for r in requests))
+            answers = self._await(answer_all())
             outputs = map_outputs(answers, len(prompts), params.n)
             self.stats.generate_s.append(time.perf_counter() - t0)
             self.stats.generated_tokens += sum(len(s.token_ids) for row in outputs for s in row)

@@ -42,22 +42,25 @@ def image_item(prompt) -> dict | None:
             "image_grid_thw": prompt.image_grid_thw}
 
 
-def build_requests(prompts: Sequence, params: SamplingParams, seeds: Sequence[Sequence[int]]) -> dict:
-    """Keyword arguments of one `Engine.(async_)generate` call: prompt-major, sample-minor (row g * n + j)."""
+def build_requests(prompts: Sequence, params: SamplingParams, seeds: Sequence[Sequence[int]]) -> list[dict]:
+    """Keyword arguments of one single-request `Engine.async_generate` call per sample: prompt-major, sample-minor
+    (request g * n + j). One call per request, not one batched call: SGLang 0.5.17's batch path
+    (`TokenizerManager._handle_batch_request`) sends request i, awaits the processing of request i + 1, and starts
+    waiting for any answer only after the last is sent; a request that finishes in between (a stop token drawn
+    first) has had its state removed by then and the whole batch fails with a KeyError of its rid (seen on the
+    H200 with 1,050-token image prompts). A single request starts waiting as soon as it is sent."""
     if len(seeds) != len(prompts) or any(len(s) != params.n for s in seeds):
         raise ValueError(f"sample_seeds must hold {params.n} seeds for each of the {len(prompts)} prompts")
-    input_ids, images, sampling = [], [], []
+    requests = []
     for prompt, prompt_seeds in zip(prompts, seeds):
         ids = prompt.input_ids.tolist() if hasattr(prompt.input_ids, "tolist") else list(prompt.input_ids)
         item = image_item(prompt)
         for seed in prompt_seeds:
-            input_ids.append(ids)
-            images.append(item)
-            sampling.append(sampling_params_for(params, seed))
-    kwargs = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
-    if any(item is not None for item in images):
-        kwargs["image_data"] = images
-    return kwargs
+            request = {"input_ids": ids, "sampling_params": sampling_params_for(params, seed), "return_logprob": True}
+            if item is not None:
+                request["image_data"] = [item]  # a single request's images: a list of items
+            requests.append(request)
+    return requests
 
 
 def finish_reason(meta: dict) -> str:
@@ -70,7 +73,7 @@ def finish_reason(meta: dict) -> str:
 
 
 def map_outputs(outputs: Sequence[dict], num_prompts: int, n: int) -> list[list[SampleOutput]]:
-    """outputs[prompt][sample] from the flat answer list of `build_requests`' order."""
+    """outputs[prompt][sample] from the answers to `build_requests`, in its order."""
     if len(outputs) != num_prompts * n:
         raise RuntimeError(f"SGLang answered {len(outputs)} requests, {num_prompts * n} were sent")
     result: list[list[SampleOutput]] = []
