@@ -39,6 +39,7 @@ from benchmarks.phase_mfu import (grids_of, logprob_mismatch, matmul_peak, phase
                                   run_prefill)
 from torchplex.components.flops import mfu, prefill_flops  # noqa: E402
 from torchplex.components.metrics import PhaseTimer  # noqa: E402
+from torchplex.models import fusion  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
 from torchplex.rollout.sampling import SamplingParams  # noqa: E402
@@ -255,6 +256,8 @@ def parse(argv=None):
     ap.add_argument("--freeze-vision", action="store_true")
     ap.add_argument("--warmup", default="each", choices=["each", "first"],
                     help="a warm-up step before each mode's timed steps, or only before the first mode's at each P")
+    ap.add_argument("--fused", choices=["auto", "on", "off"], default="auto",
+                    help="model.fused_elementwise for both models (auto: on a GPU; models/fusion.py)")
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="model.activation_checkpointing: the actor's decoder layers and vision blocks recompute")
     ap.add_argument("--padded", action="store_true", help="runtime.packed_scoring false: score padded rows")
@@ -301,7 +304,7 @@ def main(argv=None) -> dict:
     args = bench_flavor(a.geometry)
     peak = matmul_peak(device)  # the dense matmul rate the rows' MFU divide by, measured in this process
     print(f"[scale_bench] dense matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
-    actor, reference, optimizer = build_policy(args, dtype, device, a.freeze_vision)
+    actor, reference, optimizer = build_policy(args, dtype, device, a.freeze_vision, a.fused)
     if a.activation_checkpointing:
         apply_activation_checkpointing(actor)
     engine = RolloutEngine(actor, kv_pool_bytes=int(a.kv_pool_gib * 2**30), compile_decode=device.type == "cuda",
@@ -315,6 +318,7 @@ def main(argv=None) -> dict:
               "gpus": 1 if device.type == "cuda" else 0, "torch": torch.__version__,
               "transformers": _transformers_version(), "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
               "peak_tflops": peak / 1e12, "activation_checkpointing": a.activation_checkpointing,
+              "fused_elementwise": fusion.enabled(),
               "packed_scoring": not a.padded, "rows": rows}
     out = Path(a.out or f"benchmarks/results/scale-{time.strftime('%Y%m%d', time.gmtime())}-{a.workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from torchplex.models import fusion  # noqa: E402
 from torchplex.models.qwen2_5_vl.args import get_flavor  # noqa: E402
 from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel  # noqa: E402
 from torchplex.rl.advantages import compute_advantages  # noqa: E402
@@ -79,9 +80,11 @@ def build(args, dtype, device, seed):
     return model
 
 
-def build_policy(args, dtype, device, freeze_vision: bool):
+def build_policy(args, dtype, device, freeze_vision: bool, fused: str = "auto"):
     """Actor, reference (the frozen tower shared) and an AdamW at lr 0: it does all its work but leaves the weights,
-    so every mode, repeat and row samples from the same policy."""
+    so every mode, repeat and row samples from the same policy. `fused`: model.fused_elementwise for both (the
+    serial baseline runs the same kernels)."""
+    fusion.enable(fusion.wanted(fused, device))
     actor = build(args, dtype, device, 0)
     reference = build(args, dtype, device, 1).eval().requires_grad_(False)
     if freeze_vision:
@@ -156,7 +159,7 @@ def full_steps(a, args, dtype, device, prompts):
     from torchplex.runtime.timeline import draw_timelines
 
     # the same policy in every mode and repeat, so the token check below compares like with like
-    actor, reference, optimizer = build_policy(args, dtype, device, a.freeze_vision)
+    actor, reference, optimizer = build_policy(args, dtype, device, a.freeze_vision, a.fused)
     engine = RolloutEngine(actor, kv_pool_bytes=int(a.kv_pool_gib * 2**30), compile_decode=device.type == "cuda")
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0,
                             stop_token_ids=long_tail_stops(args.text.vocab_size, a.mean_response))
@@ -301,6 +304,8 @@ def main():
     ap.add_argument("--workload", default="img", help="with --mfu: the workload name in the results rows")
     ap.add_argument("--profile-dir", default="", help="with --mfu: one more round under torch.profiler per mode, "
                     "its kernel categories in the rows")
+    ap.add_argument("--fused", choices=["auto", "on", "off"], default="auto",
+                    help="model.fused_elementwise for both models (auto: on a GPU; models/fusion.py)")
     ap.add_argument("--activation-checkpointing", action="store_true", help="with --mfu: the actor's decoder and "
                     "vision blocks recompute their activations in backward (the trainer's activation_checkpointing)")
     ap.add_argument("--compile", action="store_true", help="with --mfu: torch.compile each decoder layer of both "
@@ -350,6 +355,7 @@ def main():
                        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "geometry": a.geometry,
                        "dtype": a.dtype, "prompts": a.prompts, "prompt_tokens_each": P // a.prompts, "group": a.group,
                        "response": a.response, "micro_batch": a.micro_batch, "freeze_vision": a.freeze_vision,
+                       "fused_elementwise": fusion.enabled(),
                        "repeats": a.repeats},
               "token_forwards_per_model": {"serial": a.group * P + R, "decomposed": P + R,
                                            "saving_x": (a.group * P + R) / (P + R)}}

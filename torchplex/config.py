@@ -59,6 +59,9 @@ class ModelConfig:
     freeze_vision: bool = False
     activation_checkpointing: bool = False
     compile: bool = False
+    # the elementwise chains (RMSNorm, rotary, the gated MLP's product) as compiled kernels and odd-width MLPs on
+    # aligned GEMMs (models/fusion.py): "auto" = on a CUDA device, "on", "off"
+    fused_elementwise: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclass

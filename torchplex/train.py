@@ -40,6 +40,7 @@ from .data.synthetic import generate_synthetic_task
 from .data.synthetic_video import generate_video_task
 from .data.video import VideoBudget
 from .distributed.mesh import build_parallel_dims, destroy_distributed, init_distributed
+from .models import fusion
 from .models.qwen2_5_vl.build import build_model
 from .distributed.fsdp import reshard
 from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
@@ -182,6 +183,7 @@ class Trainer:
 
     def _parallelize(self, model):
         m = self.cfg.model
+        fusion.enable(fusion.wanted(m.fused_elementwise, self.device))
         if self.dims is None and not (m.activation_checkpointing or m.compile):
             return model
         return parallelize_qwen2_5_vl(model, self.dims, param_dtype=DTYPES[m.dtype], reduce_dtype=torch.float32,

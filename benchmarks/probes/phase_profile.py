@@ -82,6 +82,8 @@ def gap_attribution(prof, min_gap_us: float = 500.0, top: int = 15) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--geometry", default="7B")
+    ap.add_argument("--fused", choices=["auto", "on", "off"], default="auto",
+                    help="model.fused_elementwise for both models (auto: on a GPU; models/fusion.py)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=1024)
@@ -103,7 +105,7 @@ def main(argv=None) -> dict:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
     args = bench_flavor(a.geometry)
     peak = matmul_peak(device)
-    actor, reference, optimizer = build_policy(args, dtype, device, freeze_vision=False)
+    actor, reference, optimizer = build_policy(args, dtype, device, freeze_vision=False, fused=a.fused)
     apply_activation_checkpointing(actor)
     prompts = [make_prompt(args, a.prompt_tokens, seed=i) for i in range(a.prompts)]
     lengths = long_tailed_lengths(a.prompts * a.group, a.mean_response, a.response)

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import fusion
 from ..activations import activation
 from ..attention import CausalAttention, PrefixAttention, PrefixState, SharedPrefixAttention
 from ..packing import PackedCausalAttention, PackedSuffixAttention, upload
@@ -30,14 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+        return fusion.rms_norm(x, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -51,7 +45,14 @@ class GatedMLP(nn.Module):
         self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x)) * self.w3(x))
+        width = fusion.aligned_width(self.w1.out_features)
+        if width == self.w1.out_features:
+            return self.w2(fusion.gated(self.w1(x), self.w3(x), self.act))
+        # an odd width (the vision tower's 3420) runs zero-padded on aligned GEMM kernels: see models/fusion.py
+        w1, b1 = fusion.padded_rows(self.w1.weight, self.w1.bias, width)
+        w3, b3 = fusion.padded_rows(self.w3.weight, self.w3.bias, width)
+        h = fusion.gated(F.linear(x, w1, b1), F.linear(x, w3, b3), self.act)
+        return F.linear(h, fusion.padded_columns(self.w2.weight, width), self.w2.bias)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -114,9 +115,7 @@ class VisionAttention(nn.Module):
         seq = x.shape[0]
         q, k, v = self.qkv(x).view(seq, 3, self.num_heads, -1).unbind(1)
         # Rotate in fp32, as the reference does, then return to the activation dtype.
-        cos, sin = cos[:, None].float(), sin[:, None].float()
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
+        q, k = fusion.rotary_fp32(q, k, cos[:, None], sin[:, None])
         return self.proj(varlen_attention(q, k, v, cu_seqlens).reshape(seq, -1))
 
 
@@ -287,8 +286,7 @@ class Attention(nn.Module):
             q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
             k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
             v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = fusion.rotary(q, k, cos, sin)
         out = attn(layer, q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 

@@ -1,0 +1,127 @@
+"""Which kernels the model's elementwise chains and odd-width matmuls run on (issue 19's profile).
+
+Eager, each RMSNorm is ~7 kernels over fp32 copies of the activations, each rotary embedding ~5 per tensor, the
+gated MLP's act(a) * b two, and the backward as many again: at 7B they were about a quarter of the GPU's busy
+time in training. With fusion on, each chain is one `torch.compile`d function (inductor: one kernel forward, a
+few backward; dynamic shapes, so a new batch does not recompile). The same math, so the fp32 CPU tests that
+compare against transformers and the serial step hold either way; on a GPU the rounding may differ in the last
+bits (a reduction summed in another order).
+
+Odd widths: the vision tower's MLP is 3420 wide, which no 16-byte-aligned GEMM kernel takes, so cuBLAS falls back
+to Ampere-era align-2 kernels (~40 % of the rollout prefill's GEMM time at P = 8). With fusion on, a gated MLP whose
+width is not a multiple of 8 runs padded with zero rows/columns to a multiple of 64 (`aligned_width`): the padded
+units are act(0) * 0 = 0 and feed a zero column of the down projection, so outputs and gradients are the same
+and the padding's gradients are zero. The parameters keep their checkpoint shapes; the padded copies are made
+per forward (~27 MB per vision block, a fraction of a millisecond).
+
+Off by default: `enable(True)` from the trainer and the benchmarks on CUDA (`model.fused_elementwise`). A
+process-wide switch rather than a module attribute: the actor and the reference must run the same kernels (the
+serial baseline included), and torch.compile guards on a module-global bool (one graph per value).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+_ON = False
+_BACKEND = "inductor"
+ALIGN = 8      # elements: 16 bytes of bf16, what Hopper's TMA-based GEMM kernels need of a leading dimension
+PAD_TO = 64    # a padded width is rounded up to this
+
+
+def enable(on: bool, backend: str = "inductor") -> None:
+    """Fusion on or off for the whole process (backend: torch.compile's; tests use "aot_eager", no codegen)."""
+    global _ON, _BACKEND
+    if backend != _BACKEND:
+        _compiled.clear()
+    _ON, _BACKEND = bool(on), backend
+
+
+def enabled() -> bool:
+    return _ON
+
+
+def wanted(choice: str, device) -> bool:
+    """`model.fused_elementwise` ("auto": on where the kernels pay, a CUDA device; "on"; "off") for `device`."""
+    if choice not in ("auto", "on", "off"):
+        raise ValueError(f"model.fused_elementwise must be 'auto', 'on' or 'off', not {choice!r}")
+    return choice == "on" or (choice == "auto" and torch.device(device).type == "cuda")
+
+
+def aligned_width(width: int) -> int:
+    """The width a gated MLP runs at: unchanged when aligned, or fusion off; else the next multiple of PAD_TO."""
+    if not _ON or width % ALIGN == 0:
+        return width
+    return -(-width // PAD_TO) * PAD_TO
+
+
+# ---- the eager chains (the reference definitions) ------------------------------------------------------------
+def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def rotary_eager(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding in the dtype of cos/sin and q/k (the language model's)."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotary_fp32_eager(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding computed in fp32 and returned in q's dtype (the vision tower's, as the reference does)."""
+    cos, sin = cos.float(), sin.float()
+    rot = lambda t: (t.float() * cos + rotate_half(t.float()) * sin).to(t.dtype)
+    return rot(q), rot(k)
+
+
+def gated_eager(a: torch.Tensor, b: torch.Tensor, act: Callable) -> torch.Tensor:
+    return act(a) * b
+
+
+_compiled: dict[str, Callable] = {}
+
+
+def _pick(name: str, eager: Callable) -> Callable:
+    if not _ON:
+        return eager
+    fn = _compiled.get(name)
+    if fn is None:
+        fn = _compiled[name] = torch.compile(eager, dynamic=True, backend=_BACKEND)
+    return fn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _pick("rms_norm", rms_norm_eager)(x, weight, eps)
+
+
+def rotary(q, k, cos, sin):
+    return _pick("rotary", rotary_eager)(q, k, cos, sin)
+
+
+def rotary_fp32(q, k, cos, sin):
+    return _pick("rotary_fp32", rotary_fp32_eager)(q, k, cos, sin)
+
+
+def gated(a: torch.Tensor, b: torch.Tensor, act: Callable) -> torch.Tensor:
+    return _pick("gated", gated_eager)(a, b, act)
+
+
+def padded_rows(weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+    """weight (out, in) and bias (out,) with zero rows appended up to `rows` outputs."""
+    extra = rows - weight.shape[0]
+    return F.pad(weight, (0, 0, 0, extra)), None if bias is None else F.pad(bias, (0, extra))
+
+
+def padded_columns(weight: torch.Tensor, columns: int) -> torch.Tensor:
+    """weight (out, in) with zero columns appended up to `columns` inputs."""
+    return F.pad(weight, (0, columns - weight.shape[1]))
