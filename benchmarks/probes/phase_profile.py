@@ -10,7 +10,9 @@ round of each phase — the engine's prefill (no grad), the vision tower alone, 
 training step (PPO forward + backward + AdamW at lr 0) — split by benchmarks/phase_mfu.py's kernel categories
 (GEMM, attention, norm/reduction, elementwise, copies) with the host gaps (wall time no kernel covers).
 Variants: `decomposed` / `serial` (packed scoring; the actor checkpointed but told not to recompute), `-padded`
-(padded rows instead of packed tokens), `-recompute` (every checkpointed block recomputes in backward).
+(padded rows instead of packed tokens), `-recompute` (every checkpointed block recomputes in backward), `-eager`
+(models/fusion.py off: eager elementwise chains, the odd-width MLP unpadded), `-nopad` (fused chains, unpadded MLP).
+--fused sets fusion for the variants that name neither.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.phase_mfu import matmul_peak, phase_flops, profiled, run_prefill, run_vision  # noqa: E402
 from benchmarks.step_bench import bench_flavor, build_policy, make_experience, make_prompt, sync  # noqa: E402
 from torchplex.components.flops import mfu  # noqa: E402
+from torchplex.models import fusion  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing, recompute  # noqa: E402
 from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
@@ -93,6 +96,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--variants", nargs="+", default=["decomposed", "serial"])
     ap.add_argument("--no-profile", action="store_true", help="time only")
+    ap.add_argument("--profile-variants", nargs="*", default=[], help="profile only these variants (default: all)")
     ap.add_argument("--gaps", action="store_true", help="instead of the kernel categories: one profiled round of "
                     "the reference and training phases with Python stacks, the GPU's idle gaps charged to the CPU op "
                     "and source line the host was in")
@@ -121,8 +125,12 @@ def main(argv=None) -> dict:
           flush=True)
     loss = PolicyLossConfig(kl_coef=0.01)
 
+    fused = fusion.wanted(a.fused, device)
+
     def phases(variant: str, into: dict | None = None):
         base = variant.split("-")[0]
+        on = fused and "-eager" not in variant
+        fusion.enable(on, pad=on and "-nopad" not in variant)
         pack, again = "-padded" not in variant, "-recompute" in variant
         scorer = SerialScorer(pack=pack) if base == "serial" else DecomposedScorer(pack=pack)
         whole = base != "serial"
@@ -152,13 +160,14 @@ def main(argv=None) -> dict:
     for variant in a.variants:
         base = variant.split("-")[0]
         row = {"variant": variant, "ok": True, "error": ""}
+        profile_this = not a.profile_variants or variant in a.profile_variants
         try:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             phases(variant)  # warm-up
             seconds, e = phases(variant)
             flops = phase_flops(args, e, base, vision_trains=True)
-            row.update(seconds=seconds, mfu={k: mfu(flops[k].total, seconds[k], peak) for k in seconds},
+            row.update(fused_elementwise=fusion.enabled(), padded_widths=fusion.padding(), seconds=seconds, mfu={k: mfu(flops[k].total, seconds[k], peak) for k in seconds},
                        pflop={k: flops[k].total / 1e15 for k in seconds},
                        peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0)
             print(f"[profile {time.strftime('%H:%M:%S')}] {variant}: "
@@ -176,7 +185,7 @@ def main(argv=None) -> dict:
                 print(f"    GPU idle {g['idle_s']:.2f}s in {g['gaps']} gaps >= {g['min_gap_us']:.0f} us:", flush=True)
                 for k, v in g["by_op_s"].items():
                     print(f"      {v:7.3f}s  {k}", flush=True)
-            elif not a.no_profile:
+            elif not a.no_profile and profile_this:
                 row["profile"] = {}
                 phases(variant, row["profile"])
                 for k, p in row["profile"].items():

@@ -27,21 +27,32 @@ import torch
 import torch.nn.functional as F
 
 _ON = False
+_PAD = False
 _BACKEND = "inductor"
 ALIGN = 8      # elements: 16 bytes of bf16, what Hopper's TMA-based GEMM kernels need of a leading dimension
 PAD_TO = 64    # a padded width is rounded up to this
+RECOMPILES = 32
 
 
-def enable(on: bool, backend: str = "inductor") -> None:
-    """Fusion on or off for the whole process (backend: torch.compile's; tests use "aot_eager", no codegen)."""
-    global _ON, _BACKEND
+def enable(on: bool, backend: str = "inductor", pad: bool | None = None) -> None:
+    """Fusion on or off for the whole process (backend: torch.compile's; tests use "aot_eager", no codegen); `pad`
+    (default: as `on`) the odd-width padding alone, so the benchmarks can measure one change at a time."""
+    global _ON, _PAD, _BACKEND
     if backend != _BACKEND:
         _compiled.clear()
-    _ON, _BACKEND = bool(on), backend
+    _ON, _PAD, _BACKEND = bool(on), bool(on if pad is None else pad), backend
+    if _ON and hasattr(torch._dynamo.config, "recompile_limit"):
+        # a chain meets a few ranks (text 3-D, vision 2-D), both grad modes, trainable and frozen weights, views
+        # and plain tensors: up to ~a dozen graphs each; past dynamo's default of 8 the rest would run eagerly
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILES)
 
 
 def enabled() -> bool:
     return _ON
+
+
+def padding() -> bool:
+    return _PAD
 
 
 def wanted(choice: str, device) -> bool:
@@ -52,8 +63,8 @@ def wanted(choice: str, device) -> bool:
 
 
 def aligned_width(width: int) -> int:
-    """The width a gated MLP runs at: unchanged when aligned, or fusion off; else the next multiple of PAD_TO."""
-    if not _ON or width % ALIGN == 0:
+    """The width a gated MLP runs at: unchanged when aligned, or padding off; else the next multiple of PAD_TO."""
+    if not _PAD or width % ALIGN == 0:
         return width
     return -(-width // PAD_TO) * PAD_TO
 
@@ -101,6 +112,11 @@ def _pick(name: str, eager: Callable) -> Callable:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _ON:
+        return rms_norm_eager(x, weight, eps)
+    # without grad a parameter goes in detached: frozen and trainable weights then share a graph
+    if not torch.is_grad_enabled():
+        weight = weight.detach()
     return _pick("rms_norm", rms_norm_eager)(x, weight, eps)
 
 
