@@ -256,6 +256,8 @@ def parse(argv=None):
     ap.add_argument("--freeze-vision", action="store_true")
     ap.add_argument("--warmup", default="each", choices=["each", "first"],
                     help="a warm-up step before each mode's timed steps, or only before the first mode's at each P")
+    ap.add_argument("--ref-micro-batch", type=int, default=0,
+                    help="algorithm.ref_micro_batch_size: sequences per reference-scoring forward (0: --micro-batch)")
     ap.add_argument("--fused", choices=["auto", "on", "off"], default="auto",
                     help="model.fused_elementwise for both models (auto: on a GPU; models/fusion.py)")
     ap.add_argument("--activation-checkpointing", action="store_true",
@@ -318,7 +320,7 @@ def main(argv=None) -> dict:
               "gpus": 1 if device.type == "cuda" else 0, "torch": torch.__version__,
               "transformers": _transformers_version(), "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
               "peak_tflops": peak / 1e12, "activation_checkpointing": a.activation_checkpointing,
-              "fused_elementwise": fusion.enabled(),
+              "fused_elementwise": fusion.enabled(), "micro_batch": a.micro_batch, "ref_micro_batch": a.ref_micro_batch,
               "packed_scoring": not a.padded, "rows": rows}
     out = Path(a.out or f"benchmarks/results/scale-{time.strftime('%Y%m%d', time.gmtime())}-{a.workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -350,6 +352,7 @@ def main(argv=None) -> dict:
             try:
                 if mode not in runners:
                     cfg = bench_config(mode.removesuffix("-window"), micro_batch=a.micro_batch,
+                                       ref_micro_batch=a.ref_micro_batch,
                                        window=mode.endswith("-window"))
                     cfg.rollout.kv_pool_gib, cfg.memory.budget_gib, cfg.memory.managed = (
                         a.kv_pool_gib, a.memory_budget_gib, a.managed)

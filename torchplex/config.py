@@ -133,6 +133,9 @@ class AlgorithmConfig:
     # is a multiple of rollout.n_samples (its prefix runs once); a smaller value cuts each group into pieces of
     # this size (each piece runs the prefix again); any other value leaves micro-batches of whole groups only.
     micro_batch_size: int = 8
+    # Sequences per reference-scoring forward (no grad, so it can be larger: fewer, bigger kernels per FLOP); 0 =
+    # micro_batch_size. Grouped like micro_batch_size.
+    ref_micro_batch_size: int = 0
     entropy_coef: float = 0.0  # > 0: an entropy bonus, aggregated like the loss
 
 
@@ -418,6 +421,7 @@ _CHECKS = [
     ("algorithm.clip_low", lambda c: 0 <= c.algorithm.clip_low < 1, "must be in [0, 1)"),
     ("algorithm.clip_high", lambda c: c.algorithm.clip_high >= 0, "must be >= 0"),
     ("algorithm.micro_batch_size", lambda c: c.algorithm.micro_batch_size >= 1, "must be >= 1"),
+    ("algorithm.ref_micro_batch_size", lambda c: c.algorithm.ref_micro_batch_size >= 0, "must be >= 0 (0: micro_batch_size)"),
     ("algorithm.ppo_epochs", lambda c: c.algorithm.ppo_epochs >= 1, "must be >= 1 (0 epochs train nothing)"),
     ("memory.budget_gib", lambda c: c.memory.budget_gib >= 0, "must be >= 0 (0 = the device's memory)"),
     ("reward.weights", lambda c: len(c.reward.weights) == len(c.reward.functions),

@@ -78,13 +78,16 @@ def gap_attribution(prof, min_gap_us: float = 500.0, top: int = 15) -> dict:
                 best = e
         key = f"{best.name} @ {frame(best)}" if best is not None else "(no CPU op)"
         charged[key] = charged.get(key, 0.0) + (b - a) / 1e6
-    return {"gaps": len(gaps), "idle_s": sum(b - a for a, b in gaps) / 1e6, "min_gap_us": min_gap_us,
+    busy_us = sum(e - s for s, e in kernels)
+    return {"kernels": len(kernels), "kernel_mean_us": busy_us / max(1, len(kernels)),
+            "gaps": len(gaps), "idle_s": sum(b - a for a, b in gaps) / 1e6, "min_gap_us": min_gap_us,
             "by_op_s": dict(sorted(charged.items(), key=lambda kv: -kv[1])[:top])}
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--geometry", default="7B")
+    ap.add_argument("--ref-micro-batch", type=int, default=0, help="reference scoring's micro-batch (0: --micro-batch)")
     ap.add_argument("--fused", choices=["auto", "on", "off"], default="auto",
                     help="model.fused_elementwise for both models (auto: on a GPU; models/fusion.py)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -96,6 +99,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--variants", nargs="+", default=["decomposed", "serial"])
     ap.add_argument("--no-profile", action="store_true", help="time only")
+    ap.add_argument("--gap-us", type=float, default=500.0, help="with --gaps: the shortest idle interval counted")
     ap.add_argument("--profile-variants", nargs="*", default=[], help="profile only these variants (default: all)")
     ap.add_argument("--gaps", action="store_true", help="instead of the kernel categories: one profiled round of "
                     "the reference and training phases with Python stacks, the GPU's idle gaps charged to the CPU op "
@@ -127,7 +131,7 @@ def main(argv=None) -> dict:
 
     fused = fusion.wanted(a.fused, device)
 
-    def phases(variant: str, into: dict | None = None):
+    def phases(variant: str, into: dict | None = None, gaps: dict | None = None):
         base = variant.split("-")[0]
         on = fused and "-eager" not in variant
         fusion.enable(on, pad=on and "-nopad" not in variant)
@@ -138,7 +142,8 @@ def main(argv=None) -> dict:
         e.ref_logprobs = e.old_logprobs = None
         seconds = {}
         steps = {"prefill": lambda: run_prefill(engine, prompts), "vision": lambda: run_vision(actor, prompts),
-                 "reference": lambda: reference_phase(reference, scorer, e, 1.0, a.micro_batch, whole),
+                 "reference": lambda: reference_phase(reference, scorer, e, 1.0, a.ref_micro_batch or a.micro_batch,
+                                                      whole),
                  "train": lambda: train_phase(actor, scorer, e, optimizer, None, loss, temperature=1.0,
                                               micro_batch_size=a.micro_batch, whole_groups=whole, ppo_epochs=1,
                                               grad_clip=1.0, max_len=e.tokens.shape[1])}
@@ -149,6 +154,12 @@ def main(argv=None) -> dict:
                 if into is not None:
                     with profiled(device, into.setdefault(name, {})):
                         work()
+                elif gaps is not None:  # each phase under its own stack-recording profiler
+                    from torch.profiler import ProfilerActivity, profile
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+                        work()
+                        sync(device)
+                    gaps[name] = gap_attribution(prof, min_gap_us=a.gap_us)
                 else:
                     sync(device)
                     t = time.perf_counter()
@@ -175,16 +186,14 @@ def main(argv=None) -> dict:
                   + f" peak {row['peak_gib']:.1f} GiB", flush=True)
             if a.out:  # the timed row first: parsing a profile of a 7B training step takes minutes
                 Path(a.out).write_text(json.dumps({**result, "rows": result["rows"] + [row]}, indent=2))
-            if a.gaps:
-                from torch.profiler import ProfilerActivity, profile
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-                    phases(variant)
-                    sync(device)
-                row["gaps"] = gap_attribution(prof)
-                g = row["gaps"]
-                print(f"    GPU idle {g['idle_s']:.2f}s in {g['gaps']} gaps >= {g['min_gap_us']:.0f} us:", flush=True)
-                for k, v in g["by_op_s"].items():
-                    print(f"      {v:7.3f}s  {k}", flush=True)
+            if a.gaps and profile_this:
+                row["gaps"] = {}
+                phases(variant, gaps=row["gaps"])
+                for name, g in row["gaps"].items():
+                    print(f"    {name}: {g['kernels']} kernels, mean {g['kernel_mean_us']:.1f} us; GPU idle "
+                          f"{g['idle_s']:.2f}s in {g['gaps']} gaps >= {g['min_gap_us']:.0f} us:", flush=True)
+                    for k, v in g["by_op_s"].items():
+                        print(f"      {v:7.3f}s  {k}", flush=True)
             elif not a.no_profile and profile_this:
                 row["profile"] = {}
                 phases(variant, row["profile"])

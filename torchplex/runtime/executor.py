@@ -47,6 +47,7 @@ class StepSettings:
     dynamic_sampling: bool = False
     temperature: float = 1.0
     micro_batch_size: int = 8
+    ref_micro_batch_size: int = 0  # reference scoring's; 0: micro_batch_size
     ppo_epochs: int = 1
     grad_clip: float = 1.0
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -326,7 +327,8 @@ class StepRunner:
         # per-forward FSDP2 gathers stay in step; with the window, how many are left differs between ranks,
         # and the reference is gathered once from the rollout on (distributed.fsdp.gathered).
         st = self.settings
-        reference_phase(self.reference, self.scorer, step.experience, st.temperature, st.micro_batch_size,
+        reference_phase(self.reference, self.scorer, step.experience, st.temperature,
+                        st.ref_micro_batch_size or st.micro_batch_size,
                         step.schedule.mode != "serial", scored=step.window_jobs.scored)
         reshard(self.reference)
         step.gathers.close()
