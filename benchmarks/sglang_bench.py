@@ -145,6 +145,8 @@ def _train(a, backend, out_dir, train, load_config) -> dict:
         row = {"workload": "tiny-grpo", "backend": backend, "steps": len(steps),
                "step_s": statistics.median(m["time/step_s"] for m in steps),
                "reward_mean": [m["reward/mean"] for m in steps], "loss": [m.get("loss", float("nan")) for m in steps],
+               # a loss of ~0 is a step whose responses all ran to max_new_tokens: token-mean advantages cancel
+               "response_length": [m["response_length/mean"] for m in steps],
                "logprob_mismatch": statistics.mean(m["rollout/logprob_mismatch"] for m in steps),
                "logprob_mismatch_per_step": [m["rollout/logprob_mismatch"] for m in steps],
                "mismatch_k3": statistics.mean(m["rollout/mismatch_k3"] for m in steps),

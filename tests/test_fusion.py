@@ -60,43 +60,46 @@ def test_padded_mlp_gives_the_same_outputs_and_gradients_and_keeps_its_shapes(fu
     assert (24, 64) in seen and (64, 24) in seen
 
 
-@pytest.mark.parametrize("backend", ["inductor"])
-def test_compiled_chains_match_eager_and_a_new_shape_does_not_recompile(fused, backend):
-    """Inductor's kernels (CPU here) against the eager definitions, forward and backward; dynamic shapes: the
-    second batch shape reuses the first compilation (a recompile per micro-batch would cost seconds each)."""
+def test_compiled_chains_match_eager_and_a_new_shape_does_not_recompile(fused):
+    """Inductor's kernels (CPU here) against the eager definitions without grad, where they run; dynamic shapes:
+    the second batch shape reuses the first compilation (a recompile per micro-batch would cost seconds each).
+    With grad enabled the eager chains run: nothing is compiled."""
     from torch._dynamo.utils import counters
 
-    fused(backend)
+    fused("inductor")
     silu = activation("silu")
 
     def chains(T, eager):
         g = torch.Generator().manual_seed(T)
-        x = torch.randn(2, T, 16, generator=g, requires_grad=True)
-        w = torch.randn(16, generator=g, requires_grad=True)
-        q = torch.randn(2, 4, T, 8, generator=g, requires_grad=True)
-        k = torch.randn(2, 2, T, 8, generator=g, requires_grad=True)
+        x, w = torch.randn(2, T, 16, generator=g), torch.randn(16, generator=g)
+        q, k = torch.randn(2, 4, T, 8, generator=g), torch.randn(2, 2, T, 8, generator=g)
         cos, sin = torch.randn(2, 1, T, 8, generator=g), torch.randn(2, 1, T, 8, generator=g)
-        a, b = torch.randn(T, 12, generator=g, requires_grad=True), torch.randn(T, 12, generator=g, requires_grad=True)
+        a, b = torch.randn(T, 12, generator=g), torch.randn(T, 12, generator=g)
         if eager:
-            outs = [fusion.rms_norm_eager(x, w, 1e-6), *fusion.rotary_eager(q, k, cos, sin),
+            return [fusion.rms_norm_eager(x, w, 1e-6), *fusion.rotary_eager(q, k, cos, sin),
                     *fusion.rotary_fp32_eager(q, k, cos, sin), fusion.gated_eager(a, b, silu)]
-        else:
-            outs = [fusion.rms_norm(x, w, 1e-6), *fusion.rotary(q, k, cos, sin),
-                    *fusion.rotary_fp32(q, k, cos, sin), fusion.gated(a, b, silu)]
-        sum((o * o).sum() for o in outs).backward()
-        return [o.detach() for o in outs] + [t.grad for t in (x, w, q, k, a, b)]
+        return [fusion.rms_norm(x, w, 1e-6), *fusion.rotary(q, k, cos, sin),
+                *fusion.rotary_fp32(q, k, cos, sin), fusion.gated(a, b, silu)]
 
     for T in (5, 9):
         before = counters["frames"]["ok"]
-        got, ref = chains(T, eager=False), chains(T, eager=True)
+        with torch.no_grad():
+            got, ref = chains(T, eager=False), chains(T, eager=True)
         for g_, r_ in zip(got, ref):
             torch.testing.assert_close(g_, r_, **TOL)
-        if T == 9:
+        if T == 5:
+            assert counters["frames"]["ok"] > before  # compiled
+        else:
             assert counters["frames"]["ok"] == before, "a new sequence length recompiled a chain"
+    before = counters["frames"]["ok"]
+    x = torch.randn(3, 7, 16, requires_grad=True)
+    fusion.rms_norm(x, torch.ones(16), 1e-6).sum().backward()
+    assert counters["frames"]["ok"] == before and x.grad is not None  # with grad: eager
 
 
 def test_model_with_fusion_and_an_odd_vision_width_trains_like_the_eager_model(fused):
-    """The tiny model with a 108-wide vision MLP (padded to 128): same hidden states and gradients."""
+    """The tiny model with a 108-wide vision MLP (padded to 128): same hidden states and gradients, and the same
+    hidden states without grad, where the chains run compiled."""
     base = FLAVORS["debug"]
     args = dataclasses.replace(base, vision=dataclasses.replace(base.vision, intermediate_size=108),
                                image_token_id=10, vision_start_token_id=11, vision_end_token_id=12)
@@ -121,3 +124,6 @@ def test_model_with_fusion_and_an_odd_vision_width_trains_like_the_eager_model(f
     assert got[1].keys() == ref[1].keys() and any(k.startswith("visual.blocks") for k in ref[1])
     for name in ref[1]:
         torch.testing.assert_close(got[1][name], ref[1][name], rtol=1e-5, atol=1e-5, msg=name)
+    with torch.no_grad():  # where the chains run compiled (the rollout prefill, reference scoring)
+        scored = model(ids, image_embeds=model.encode_vision(pixels, grid))
+    torch.testing.assert_close(scored, ref[0], rtol=1e-5, atol=1e-5)

@@ -1,11 +1,14 @@
 """Which kernels the model's elementwise chains and odd-width matmuls run on (issue 19's profile).
 
-Eager, each RMSNorm is ~7 kernels over fp32 copies of the activations, each rotary embedding ~5 per tensor, the
-gated MLP's act(a) * b two, and the backward as many again: at 7B they were about a quarter of the GPU's busy
-time in training. With fusion on, each chain is one `torch.compile`d function (inductor: one kernel forward, a
-few backward; dynamic shapes, so a new batch does not recompile). The same math, so the fp32 CPU tests that
-compare against transformers and the serial step hold either way; on a GPU the rounding may differ in the last
-bits (a reduction summed in another order).
+Eager, each RMSNorm is ~7 kernels over fp32 copies of the activations, each rotary embedding ~5 per tensor and
+the gated MLP's act(a) * b two: at 7B about a quarter of the GPU's busy time in every compute phase. With fusion on,
+each chain runs as one `torch.compile`d function (inductor: one kernel; dynamic shapes, so a new batch does not
+recompile) where no gradient is taken: the rollout prefill and reference scoring, which it made 1.6x and ~1.1x
+faster on the H200 (docs/benchmarks.md). With grad enabled (training) the chains stay eager: there a compiled call's
+host cost (guard checks, the AOT runtime wrapper, its autograd node: ~2 s of GPU idle per 8 training micro-batches
+at 7B, measured) exceeded the kernels it saved, because the training phase is bound by the host's launch rate at
+micro-batch 8. The same math either way, so the fp32 CPU tests that compare against transformers and the serial
+step hold; on a GPU the rounding may differ in the last bits (a reduction summed in another order).
 
 Odd widths: the vision tower's MLP is 3420 wide, which no 16-byte-aligned GEMM kernel takes, so cuBLAS falls back
 to Ampere-era align-2 kernels (~40 % of the rollout prefill's GEMM time at P = 8). With fusion on, a gated MLP whose
@@ -103,7 +106,7 @@ _compiled: dict[str, Callable] = {}
 
 
 def _pick(name: str, eager: Callable) -> Callable:
-    if not _ON:
+    if not _ON or torch.is_grad_enabled():  # compiled only without grad: see the module docstring
         return eager
     fn = _compiled.get(name)
     if fn is None:
