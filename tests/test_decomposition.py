@@ -121,6 +121,47 @@ def test_frozen_vision_tower_encodes_each_prompt_once_per_step(assets):
     assert scorer.vision.encodes == sum(1 for p in prompts if p.pixel_values is not None)
 
 
+def test_a_trainable_tower_prefix_collates_its_prompts_once(assets, monkeypatch):
+    """The prefix of a trainable tower's prompts collates (copies, uploads) their pixels once: it used to collate them
+    again for the tower, a second copy and upload of every pixel (~0.6 GB per 32 image prompts)."""
+    from torchplex.runtime import decomposition
+
+    prompts, base, _, _ = assets
+    calls = []
+    real = decomposition.collate
+    monkeypatch.setattr(decomposition, "collate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    state, _ = DecomposedScorer().prefix(base, prompts)  # with grad: the tower trains (the training forward)
+    assert len(calls) == 1 and state.batch_size == len(prompts) and state.k[0].requires_grad
+
+
+def test_frozen_tower_encodes_the_uncached_prompts_together(assets, monkeypatch):
+    """A frozen (or no-grad) tower encodes the prompts it has not cached in one batched call, not one call per
+    prompt (host-bound at 7B); each prompt's embeddings equal its own encoding (fp32, 1e-5), and a cached prompt is
+    not encoded again."""
+    from torchplex.runtime import decomposition
+
+    prompts, base, _, _ = assets
+    images = [p for p in prompts if p.pixel_values is not None]
+    assert len(images) >= 2
+    calls = []
+    real = base.encode_vision
+    monkeypatch.setattr(base, "encode_vision", lambda pix, grid: calls.append(pix.shape[0]) or real(pix, grid))
+    cache = decomposition.VisionCache()
+    got = cache.get_many(base, prompts, "image")
+    assert len(calls) == 1 and cache.encodes == len(images)
+    with torch.no_grad():
+        for p, e in zip(prompts, got):
+            if p.pixel_values is None:
+                assert e is None
+            else:
+                torch.testing.assert_close(e, real(p.pixel_values, p.image_grid_thw), rtol=1e-5, atol=1e-5)
+    cache.get_many(base, prompts + prompts[:1], "image")
+    assert len(calls) == 1  # all cached
+    monkeypatch.setattr(decomposition, "BATCH_PATCHES", 1)  # a patch budget below one prompt: one call per prompt
+    decomposition.VisionCache().get_many(base, prompts, "image")
+    assert len(calls) == 1 + len(images)
+
+
 def test_token_forwards_saving(assets):
     """P + G*R per prompt instead of G*(P+R)."""
     prompts, base, reference, eos = assets
