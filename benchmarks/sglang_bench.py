@@ -75,9 +75,10 @@ def versions() -> dict:
     return out
 
 
-def write_results(path: str, rows: list[dict], argv: list[str], device: torch.device) -> dict:
+def write_results(path: str, rows: list[dict], argv: list[str], device: torch.device,
+                  script: str = "benchmarks/sglang_bench.py") -> dict:
     """One results file per ../shared/RESULTS.md (topic "sglang")."""
-    doc = {"topic": "sglang", "command": "python benchmarks/sglang_bench.py " + " ".join(argv),
+    doc = {"topic": "sglang", "command": f"python {script} " + " ".join(argv),
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "gpus": 1 if device.type == "cuda" else 0, **versions(),
            "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "rows": rows}

@@ -13,6 +13,8 @@
 #   run(command="bash benchmarks/sglang_gpu.sh check")   # SGLang and the transformers it needs import
 #   run(command="bash benchmarks/sglang_gpu.sh train")   # GRPO steps, both backends -> $OUT/sglang-*-train.json
 #   run(command="bash benchmarks/sglang_gpu.sh step")    # img-small + img P=8, both backends -> $OUT/sglang-*-step.json
+#   run(command="RUN_S=260 bash benchmarks/sglang_gpu.sh overlap")  # prefix work beside SGLang's decode, without and
+#                                                        # with MPS -> $OUT/sglang-*-overlap.json, -overlap-mps.json
 # and commit the JSON files that come back under benchmarks/results/.
 # SGLang 0.5.17 imports only with transformers 5.12.1 / tokenizers 0.22.2 (in .sgl2): /tmp/site goes first on
 # PYTHONPATH, ahead of the image's 5.17.
@@ -35,6 +37,10 @@ stamp=$(date -u +%Y%m%d)
 tiny() {  # the trainer's tiny checkpoint (few MB), written once per machine
   [ -f /tmp/tiny/config.json ] || bounded 120 python tools/make_tiny_checkpoint.py --output /tmp/tiny >/dev/null
 }
+ckpt7b() {  # the 7B geometry without weights (the overlap probe: random-init models, SGLang's dummy load), seconds
+  [ -f /tmp/ckpt7b/config.json ] || bounded 120 python tools/make_tiny_checkpoint.py --size 7B --no-weights \
+    --output /tmp/ckpt7b >/dev/null
+}
 case "${1:-}" in
   install)
     n=${2:?which folder: 1, 2 or 3}
@@ -56,6 +62,20 @@ print('sglang', sglang.__version__, 'transformers', transformers.__version__, 't
     tiny
     bounded "$RUN_S" python benchmarks/sglang_bench.py --suite step --ckpt "${CKPT:-/tmp/tiny}" --timeout-s "$SGL_TIMEOUT_S" \
       --workloads img-small,img --out "$OUT/sglang-$stamp-step.json" ;;
+  overlap)
+    # The trainer's prefix work beside SGLang's decode (benchmarks/probes/sglang_overlap.py), first without, then with
+    # an NVIDIA MPS daemon of our own: its pipe and log folders under /tmp, quit when this command ends; the GPU's
+    # compute mode and settings are left as they are. CKPT=/tmp/tiny for a quick check of the plumbing.
+    ckpt=${CKPT:-/tmp/ckpt7b}
+    if [ "$ckpt" = /tmp/ckpt7b ]; then ckpt7b; else tiny; fi
+    probe() { bounded "$RUN_S" python benchmarks/probes/sglang_overlap.py --ckpt "$ckpt" --timeout-s "$SGL_TIMEOUT_S" \
+      --watchdog-s "$RUN_S" "$@"; }
+    probe --out "$OUT/sglang-$stamp-overlap.json" || true
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    probe --mps --out "$OUT/sglang-$stamp-overlap-mps.json" ;;
   *)
-    echo "usage: $0 install N | check | train | step" >&2; exit 2 ;;
+    echo "usage: $0 install N | check | train | step | overlap" >&2; exit 2 ;;
 esac

@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from torchplex.data.processing import PromptInputs
+from torchplex.models.qwen2_5_vl.args import ModelArgs
 from torchplex.models.qwen2_5_vl.build import build_model
 from torchplex.models.qwen2_5_vl.state_dict_adapter import Qwen2_5_VLStateDictAdapter
 from torchplex.rollout.engine import RolloutEngine
@@ -92,11 +93,16 @@ class FakeSGLangEngine:
     def __init__(self, **settings):
         self.settings = settings
         path = Path(settings["model_path"])
-        with safe_open(str(path / "model.safetensors"), "pt") as f:
-            self.checkpoint_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.get("dtype", "float32")]
-        self.model = build_model(hf_dir=path, dtype=dtype).eval()
-        self.adapter = Qwen2_5_VLStateDictAdapter(self.model.args)
+        if settings.get("load_format") == "dummy":  # SGLang's random init from config.json: no weight files read
+            self.model = build_model(ModelArgs.from_hf_dir(path), dtype=dtype, seed=123).eval()
+            self.adapter = Qwen2_5_VLStateDictAdapter(self.model.args)
+            self.checkpoint_shapes = {k: tuple(v.shape) for k, v in self.adapter.to_hf(self.model.state_dict()).items()}
+        else:
+            with safe_open(str(path / "model.safetensors"), "pt") as f:
+                self.checkpoint_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            self.model = build_model(hf_dir=path, dtype=dtype).eval()
+            self.adapter = Qwen2_5_VLStateDictAdapter(self.model.args)
         self.native = RolloutEngine(self.model, kv_pool_bytes=32 * 2**20, compile_decode=False)
         self.loop = asyncio.new_event_loop()
         self.released: set[str] = set()

@@ -77,3 +77,41 @@ def test_rows_are_written_before_a_later_row_kills_the_run(tiny_ckpt, tmp_path, 
                            "--workloads", "img-small", "--out", str(out)] + SMALL)
     [row] = json.loads(out.read_text())["rows"]
     assert row["backend"] == "sglang" and row["ok"] is False and "scheduler died" in row["error"]
+
+
+def test_overlap_probe_times_each_part_alone_and_together_on_the_fake(tiny_ckpt, tmp_path):
+    """benchmarks/probes/sglang_overlap.py: a row with (a) the rollout alone, (b) the prefix work alone, (c) both at
+    once and the gain (a + b) / c, labelled with whether MPS served it (the run itself needs SGLang on a GPU)."""
+    from benchmarks.probes import sglang_overlap
+
+    out = tmp_path / "overlap.json"
+    doc = sglang_overlap.main(["--ckpt", str(tiny_ckpt), "--prompts", "2", "--group", "2", "--max-new-tokens", "3",
+                               "--prompt-tokens", "30", "--prefix-rounds", "2", "--repeats", "1", "--dtype", "float32",
+                               "--out", str(out)], engine_factory=FakeSGLangEngine)
+    assert json.loads(out.read_text()) == doc and doc["topic"] == "sglang"
+    assert doc["command"].startswith("python benchmarks/probes/sglang_overlap.py --ckpt")
+    [row] = doc["rows"]
+    assert row["ok"], row["error"]
+    assert row["backend"] == "sglang" and row["mps"] is False and row["prefix_rounds"] == 2
+    for k in ("rollout_alone_s", "prefix_alone_s", "together_s", "rollout_together_s", "prefix_together_s"):
+        assert row[k] > 0
+    assert row["together_s"] >= max(row["rollout_together_s"], row["prefix_together_s"]) - 1e-6
+    assert row["gain"] == pytest.approx((row["rollout_alone_s"] + row["prefix_alone_s"]) / row["together_s"])
+
+
+def test_overlap_probe_on_a_folder_without_weights_starts_sglang_on_dummy_weights(tmp_path):
+    """make_tiny_checkpoint(weights=False) (the probe's 7B geometry on the GPU): random-init models on this side,
+    SGLang on load_format="dummy", and the first rollout samples with the actor's pushed weights."""
+    from benchmarks.probes import sglang_overlap
+    from torchplex.models.qwen2_5_vl.tiny_checkpoint import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "noweights", weights=False)
+    assert not list(ckpt.path.glob("*.safetensors")) and ckpt.num_params > 0
+    FakeSGLangEngine.instances.clear()
+    doc = sglang_overlap.main(["--ckpt", str(ckpt.path), "--prompts", "1", "--group", "2", "--max-new-tokens", "2",
+                               "--prompt-tokens", "30", "--prefix-rounds", "1", "--repeats", "1", "--dtype",
+                               "float32"], engine_factory=FakeSGLangEngine)
+    [row] = doc["rows"]
+    assert row["ok"], row["error"]
+    [fake] = FakeSGLangEngine.instances
+    assert fake.settings["load_format"] == "dummy" and fake.pushes  # every weight pushed before sampling

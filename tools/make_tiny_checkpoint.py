@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> TinyCheckpoint:
     parser.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
     parser.add_argument("--video-min-pixels", type=int, default=DEFAULT_VIDEO_MIN_PIXELS)
     parser.add_argument("--video-max-pixels", type=int, default=DEFAULT_VIDEO_MAX_PIXELS)
+    parser.add_argument("--no-weights", action="store_true",
+                        help="config, tokenizer and processor only (SGLang's load_format=dummy, random-init models)")
     a = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> TinyCheckpoint:
     ckpt = make_tiny_checkpoint(
         a.output, size=a.size, seed=a.seed, tie_word_embeddings=False if a.untied else None,
         window_size=a.window_size, max_shard_size=a.max_shard_size, min_pixels=a.min_pixels,
-        max_pixels=a.max_pixels, video_min_pixels=a.video_min_pixels, video_max_pixels=a.video_max_pixels)
+        max_pixels=a.max_pixels, video_min_pixels=a.video_min_pixels, video_max_pixels=a.video_max_pixels,
+        weights=not a.no_weights)
     print(f"{ckpt.summary()} in {time.perf_counter() - start:.1f}s")
     return ckpt
 

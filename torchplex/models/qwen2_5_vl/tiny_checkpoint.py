@@ -239,8 +239,12 @@ def make_tiny_checkpoint(
     max_pixels: int = DEFAULT_MAX_PIXELS,
     video_min_pixels: int = DEFAULT_VIDEO_MIN_PIXELS,
     video_max_pixels: int = DEFAULT_VIDEO_MAX_PIXELS,
+    weights: bool = True,
 ) -> TinyCheckpoint:
     """Write tokenizer, processor, config and seeded random weights to `output`; returns a summary.
+
+    `weights=False` writes everything but the weights: a folder for SGLang's `load_format="dummy"` and random-init
+    models of a large geometry (`--size 7B` in fp32 would be ~30 GB to write and read back).
 
     `max_shard_size` (e.g. "200KB") writes `model.safetensors.index.json` plus shards; None writes a
     single `model.safetensors`. `tie_word_embeddings`/`window_size` override the flavor's values.
@@ -261,19 +265,26 @@ def make_tiny_checkpoint(
     if float(tps).is_integer():
         hf_config["vision_config"]["tokens_per_second"] = int(tps)
     config = Qwen2_5_VLConfig(**hf_config)
-    with torch.random.fork_rng(devices=[]):  # seed locally: the caller's CPU RNG stream is untouched
-        torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
-        # transformers zeroes biases; random ones make a loader that drops a bias fail its tests.
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith(".bias"):
-                    param.normal_(0.0, INIT_STD)
-    model.generation_config = GenerationConfig(
+    generation = GenerationConfig(
         bos_token_id=args.bos_token_id, pad_token_id=args.pad_token_id,
         eos_token_id=[args.eos_token_id, args.bos_token_id])  # Qwen stops on <|im_end|> or <|endoftext|>
-    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
-    model.save_pretrained(output, safe_serialization=True, **save_kwargs)
+    if weights:
+        with torch.random.fork_rng(devices=[]):  # seed locally: the caller's CPU RNG stream is untouched
+            torch.manual_seed(seed)
+            model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+            # transformers zeroes biases; random ones make a loader that drops a bias fail its tests.
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name.endswith(".bias"):
+                        param.normal_(0.0, INIT_STD)
+        model.generation_config = generation
+        save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+        model.save_pretrained(output, safe_serialization=True, **save_kwargs)
+    else:
+        with torch.device("meta"):  # only to count the parameters
+            model = Qwen2_5_VLForConditionalGeneration(config)
+        config.save_pretrained(output)
+        generation.save_pretrained(output)
     # transformers 5.12 (what SGLang 0.5.17 needs) saves the token ids only in text_config; Hub Qwen2.5-VL configs,
     # and later transformers releases, carry them at the top level too
     saved = json.loads((output / "config.json").read_text())
