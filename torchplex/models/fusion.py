@@ -3,8 +3,8 @@
 Eager, each RMSNorm is ~7 kernels over fp32 copies of the activations, each rotary embedding ~5 per tensor and
 the gated MLP's act(a) * b two: at 7B about a quarter of the GPU's busy time in every compute phase. With fusion on,
 each chain runs as one `torch.compile`d function (inductor: one kernel; dynamic shapes, so a new batch does not
-recompile) where no gradient is taken: the rollout prefill and reference scoring, which it made 1.6x and ~1.1x
-faster on the H200 (docs/benchmarks.md). With grad enabled (training) the chains stay eager: there a compiled call's
+recompile) where no gradient is taken: the rollout prefill and reference scoring, which it made 1.65x and 1.03x
+faster on the H200 at P = 8 (docs/benchmarks.md). With grad enabled (training) the chains stay eager: there a compiled call's
 host cost (guard checks, the AOT runtime wrapper, its autograd node: ~2 s of GPU idle per 8 training micro-batches
 at 7B, measured) exceeded the kernels it saved, because the training phase is bound by the host's launch rate at
 micro-batch 8. The same math either way, so the fp32 CPU tests that compare against transformers and the serial
@@ -45,8 +45,8 @@ def enable(on: bool, backend: str = "inductor", pad: bool | None = None) -> None
         _compiled.clear()
     _ON, _PAD, _BACKEND = bool(on), bool(on if pad is None else pad), backend
     if _ON and hasattr(torch._dynamo.config, "recompile_limit"):
-        # a chain meets a few ranks (text 3-D, vision 2-D), both grad modes, trainable and frozen weights, views
-        # and plain tensors: up to ~a dozen graphs each; past dynamo's default of 8 the rest would run eagerly
+        # a chain meets a few ranks (text 3-D, vision 2-D, packed and padded), views and plain tensors, sizes of 1
+        # (specialised): up to ~a dozen graphs each; past dynamo's default of 8 the rest would run eagerly
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILES)
 
 
