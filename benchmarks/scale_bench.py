@@ -49,7 +49,9 @@ from torchplex.runtime.build import build_step_runtime  # noqa: E402
 WORKLOADS = {"img": dict(prompt_tokens=1024, video=None, mean_response=256, response=1024),
              "vid": dict(prompt_tokens=0, video=(32, 448), mean_response=256, response=1024),
              "img-small": dict(prompt_tokens=1024, video=None, mean_response=128, response=512)}
-MODES = ("serial", "decomposed", "overlapped", "overlapped-window")  # -window: the reference in the decode window
+# -window: the reference in the decode window; -batched: runtime.batched_actor_prefix (the actor prefixes batched at
+# the start of training)
+MODES = ("serial", "decomposed", "decomposed-batched", "overlapped", "overlapped-window")
 STAGES = ("vision", "rollout", "ref", "train")
 
 
@@ -87,7 +89,10 @@ def memory_record(out, runner, engine, phase_timer: PhaseTimer) -> dict:
     return {"planned": {"capacity_bytes": s.memory.get("capacity_bytes", 0),
                         "room_bytes": s.memory.get("room_bytes", 0), "residents": s.memory.get("residents", {}),
                         "held_graph_bytes": sum(c.bytes for c in s.prefix_forms),
-                        "forms": {f: forms.count(f) for f in sorted(set(forms))}},
+                        "forms": {f: forms.count(f) for f in sorted(set(forms))},
+                        "train_room_bytes": s.memory.get("train_room_bytes", 0),
+                        "train_forms": {f: [c.form for c in s.train_prefix_forms].count(f)
+                                        for f in sorted({c.form for c in s.train_prefix_forms})}},
             "measured": {"actor_weights_bytes": tensor_bytes(runner.actor.parameters()),
                          "optimizer_state_bytes": tensor_bytes(state),
                          "kv_pool_bytes": engine.stats.pool_bytes,
@@ -351,13 +356,14 @@ def main(argv=None) -> dict:
                 continue
             try:
                 if mode not in runners:
-                    cfg = bench_config(mode.removesuffix("-window"), micro_batch=a.micro_batch,
+                    cfg = bench_config(mode.removesuffix("-window").removesuffix("-batched"), micro_batch=a.micro_batch,
                                        ref_micro_batch=a.ref_micro_batch,
                                        window=mode.endswith("-window"))
                     cfg.rollout.kv_pool_gib, cfg.memory.budget_gib, cfg.memory.managed = (
                         a.kv_pool_gib, a.memory_budget_gib, a.managed)
                     cfg.model.activation_checkpointing = a.activation_checkpointing
                     cfg.runtime.packed_scoring = not a.padded
+                    cfg.runtime.batched_actor_prefix = mode.endswith("-batched")
                     runners[mode] = build_step_runtime(cfg, actor, reference, engine, optimizer, None,
                                                        NullTokenizer())
                 row = run_row(a, mode, P, runners[mode], engine, prompts, params, device,

@@ -23,9 +23,10 @@ class RecordingSGD(torch.optim.SGD):
 
 
 def cpu_runner(setup, mode: str, *, budget: int, micro_batch: int, kv_pool: int, checkpointed: bool = False,
-               **settings) -> StepRunner:
+               plan_options: dict | None = None, **settings) -> StepRunner:
     """A StepRunner of `mode` on a copy of the setup's actor (checkpointed blocks if asked) and reference, a
-    memory budget of `budget` bytes (0: the device's), SGD at lr 0.1; `settings` go to StepSettings."""
+    memory budget of `budget` bytes (0: the device's), SGD at lr 0.1; `plan_options` go to PlanOptions, `settings`
+    to StepSettings."""
     processor, prompts, base, reference = setup
     actor = copy.deepcopy(base)
     if checkpointed:
@@ -34,5 +35,6 @@ def cpu_runner(setup, mode: str, *, budget: int, micro_batch: int, kv_pool: int,
     optimizer = RecordingSGD([p for p in actor.parameters() if p.requires_grad], lr=0.1)
     step_settings = StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=micro_batch,
                                  grad_clip=1e9, loss=PolicyLossConfig(kl_coef=0.1),
-                                 plan=PlanOptions(mode=mode, memory_budget_bytes=budget), **settings)
+                                 plan=PlanOptions(mode=mode, memory_budget_bytes=budget, **(plan_options or {})),
+                                 **settings)
     return StepRunner(actor, copy.deepcopy(reference), engine, optimizer, None, processor.tokenizer, step_settings)

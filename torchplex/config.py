@@ -219,6 +219,9 @@ class RuntimeConfig:
     # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket (CUDA graphs on a GPU);
     # needs a reference of plain tensors (tp 1, no FSDP2 sharding)
     ref_prefix_graphs: bool = False
+    # decomposed: the step's actor prefixes in one batched forward at the start of training, held for the first
+    # epoch's micro-batches as the train stage's memory allows, their backward one batched pass (planner.PlanOptions)
+    batched_actor_prefix: bool = False
     # overlapped: the reference prefixes, and the reference log-probs of each sample as soon as it has finished,
     # computed in the rollout decode window on a second host thread (runtime/window.py); equal up to rounding
     reference_in_window: bool = False

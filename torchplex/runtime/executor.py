@@ -27,10 +27,10 @@ from ..models.qwen2_5_vl.parallelize import is_checkpointed
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
-from .memory_budget import (HEADROOM, MemoryBudget, agree_on_recompute, device_capacity, kv_pool_bytes,
+from .memory_budget import (HEADROOM, NONE, MemoryBudget, agree_on_recompute, device_capacity, kv_pool_bytes,
                             needs_recompute, no_recompute_bytes, recompute_train_bytes, step_residents)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
-from .overlap import DecodeWindowJobs, PrefixStore, rollout_prefill
+from .overlap import DecodeWindowJobs, PrefixStore, fused_prefill, rollout_prefill
 from .phases import Stage
 from .planner import PlanOptions, Schedule, StepShape, plan_step
 from .prefix_graphs import PrefixGraphs
@@ -230,7 +230,8 @@ class StepRunner:
         shape = self.shape(prompts, params)
         budget = self.memory_budget(shape, params)
         budget.check(f"a step of {len(prompts)} prompts x {params.n} samples of up to {params.max_new_tokens} tokens")
-        schedule = plan_step(replace(shape, prefix_room_bytes=budget.room_bytes), self.settings.plan,
+        schedule = plan_step(replace(shape, prefix_room_bytes=budget.room_bytes,
+                                     train_room_bytes=budget.train_room_bytes), self.settings.plan,
                              self.engine.capabilities)
         schedule.memory = budget.to_dict()
         return schedule
@@ -335,6 +336,11 @@ class StepRunner:
 
     def _train(self, step: _Step) -> None:
         st = self.settings
+        keep = step.experience.keep_groups.tolist()
+        held = {id(step.prompts[c.prompt]): c.form for c in step.schedule.train_prefix_forms
+                if c.form != NONE and keep[c.prompt]}
+        if held:  # batched_actor_prefix: the kept prompts' actor prefixes in one forward, held for epoch 0
+            fused_prefill(self.scorer, self.actor, step.prefixes, held)([p for p in step.prompts if id(p) in held])
         step.result = train_phase(self.actor, self.scorer, step.experience, self.optimizer, self.lr_scheduler,
                                   st.loss, temperature=st.temperature, micro_batch_size=st.micro_batch_size,
                                   whole_groups=step.schedule.mode != "serial", ppo_epochs=st.ppo_epochs,
@@ -390,5 +396,5 @@ class StepRunner:
                 return min(free, capacity - allocated), int(HEADROOM * capacity)
             return free, int(HEADROOM * total)
         resident = sum(b for g, b in mem["residents"]["train"].items() if g != "activations")
-        held = sum(c.bytes for c in step.schedule.prefix_forms)
+        held = sum(c.bytes for c in step.schedule.prefix_forms + step.schedule.train_prefix_forms)
         return capacity - resident - held, int(HEADROOM * capacity)

@@ -75,6 +75,11 @@ class MemoryBudget:
         """What a prefix held from the rollout to training may take (never negative)."""
         return max(0, self.usable_bytes - max(self.stage_bytes(s) for s in HELD_STAGES))
 
+    @property
+    def train_room_bytes(self) -> int:
+        """What a prefix computed and held within the train stage may take (never negative)."""
+        return max(0, self.usable_bytes - self.stage_bytes("train"))
+
     def check(self, what: str = "the step") -> None:
         """Raise BatchTooLargeError when a stage's groups exceed the usable budget. Activations (an estimate until
         training measured them on a GPU) count in the room only: a wrong guess fuses fewer prompts, it does not
@@ -92,7 +97,8 @@ class MemoryBudget:
             f"budget less {HEADROOM:.0%} headroom). Change one of: {', '.join(FIT_KEYS)}")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "room_bytes": self.room_bytes, "usable_bytes": self.usable_bytes}
+        return {**asdict(self), "room_bytes": self.room_bytes, "train_room_bytes": self.train_room_bytes,
+                "usable_bytes": self.usable_bytes}
 
 
 def device_capacity(device: torch.device) -> int:

@@ -41,6 +41,8 @@ class StepShape:
     # what held prefix state may take from the rollout to training (memory_budget.MemoryBudget.room_bytes): the
     # budget less every resident group of the fullest stage; 0 holds nothing
     prefix_room_bytes: int = 0
+    # what a prefix computed and held within the train stage may take (MemoryBudget.train_room_bytes); 0: nothing
+    train_room_bytes: int = 0
     # what the compact form (overlap.CompactPrefix: layer-boundary hidden states) holds per prompt token; 0: none
     compact_bytes_per_token: float = 0
     device: str = "cpu"
@@ -65,6 +67,11 @@ class PlanOptions:
     # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket, captured on CUDA
     # (runtime/prefix_graphs.py): an eager prefix is host-bound (3B, 987 tokens: ~0.17 s of host time on the H200).
     ref_prefix_graphs: bool = False
+    # decomposed: the actor prefixes of the step's prompts as one batched forward at the start of training, held
+    # (compact or whole graph, as the train stage's room allows) for the first epoch's micro-batches, their
+    # backward one batched pass after the last (DecomposedScorer.finish_backward): fewer, larger kernels than one
+    # prefix forward and backward per micro-batch, which at micro-batch 8 the host's launch rate bounds
+    batched_actor_prefix: bool = False
     # the step's memory budget (memory.budget_gib); 0: the device's (memory_budget.device_capacity). What held
     # prefixes may take is computed from it by the runner (StepShape.prefix_room_bytes)
     memory_budget_bytes: int = 0
@@ -106,6 +113,8 @@ class Schedule:
     phases: list[Phase] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)  # why the planner placed things where it did
     prefix_forms: list[PrefixChoice] = field(default_factory=list)  # how each prompt's actor prefix is held
+    # decomposed with batched_actor_prefix: how each prompt's actor prefix is held within the train stage
+    train_prefix_forms: list[PrefixChoice] = field(default_factory=list)
     memory: dict = field(default_factory=dict)  # the budget it was planned from (MemoryBudget.to_dict), if any
 
     def fused_prompts(self) -> list[int]:
@@ -148,16 +157,20 @@ class Schedule:
             lines.append(f"{p.name:<16}{p.placement:<24}{','.join(p.depends_on) or '-':<34}{p.tokens:>9}"
                          f"{p.holds_bytes / 2**20:>11.1f}" + (f"  {p.note}" if p.note else ""))
         lines += [f"  - {r}" for r in self.reasons]
-        if self.prefix_forms:
-            forms = [c.form for c in self.prefix_forms]
-            lines.append(f"  actor prefixes: " + ", ".join(f"{forms.count(f)} {f}" for f in sorted(set(forms)))
-                         + f", {sum(c.bytes for c in self.prefix_forms) / 2**20:.1f} MiB held")
+        for label, choices in (("actor prefixes", self.prefix_forms), ("actor prefixes in training",
+                                                                        self.train_prefix_forms)):
+            if choices:
+                forms = [c.form for c in choices]
+                lines.append(f"  {label}: " + ", ".join(f"{forms.count(f)} {f}" for f in sorted(set(forms)))
+                             + f", {sum(c.bytes for c in choices) / 2**20:.1f} MiB held")
         return "\n".join(lines)
 
     def to_json(self) -> str:
         phases = [{**asdict(p), "stage": p.stage} for p in self.phases]
         return json.dumps({"mode": self.mode, "phases": phases, "reasons": self.reasons,
-                           "prefix_forms": [asdict(c) for c in self.prefix_forms], "memory": self.memory}, indent=2)
+                           "prefix_forms": [asdict(c) for c in self.prefix_forms],
+                           "train_prefix_forms": [asdict(c) for c in self.train_prefix_forms], "memory": self.memory},
+                          indent=2)
 
 
 def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabilities = RolloutCapabilities()
@@ -251,8 +264,30 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
                              "samples decode on while the others are scored")
         else:
             s.phases.append(Phase(PhaseName.REF_SUFFIX, depends_on=("rollout", "ref_prefix"), tokens=R))
-    train_deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ()) + (("actor_prefix",) if fuse else ())
+    batched = not overlapped and options.batched_actor_prefix
+    if batched:
+        s.train_prefix_forms = [
+            PrefixChoice(c.prompt, c.form, c.tokens, c.bytes, f"held within training: {c.reason}")
+            for c in choose_prefix_forms(shape.prompt_lengths, shape.activation_bytes_per_token,
+                                         shape.train_room_bytes, compact_bytes_per_token=shape.compact_bytes_per_token)]
+        held_train = sum(c.bytes for c in s.train_prefix_forms)
+        count = sum(c.form != NONE for c in s.train_prefix_forms)
+        batched = count > 0
+        if batched:
+            deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ())
+            s.phases.append(Phase(PhaseName.ACTOR_PREFIX, depends_on=deps, holds_bytes=held_train,
+                                  tokens=sum(c.tokens for c in s.train_prefix_forms if c.form != NONE),
+                                  note=f"{count} prompts in one batched forward before training's micro-batches"))
+            s.reasons.append(f"actor prefix batched at the start of training for {count} of "
+                             f"{len(shape.prompt_lengths)} prompts (room {shape.train_room_bytes / 2**30:.2f} GiB): one "
+                             "forward and one backward over them instead of one per micro-batch")
+        else:
+            s.reasons.append("actor prefix not batched in training: no room for a held prefix in the train stage")
+    train_deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ()) + (
+        ("actor_prefix",) if fuse or batched else ())
     fused_tokens = sum(shape.prompt_lengths[i] for i in fused)
+    if batched:  # epoch 0's are the actor_prefix phase's
+        fused_tokens += sum(c.tokens for c in s.train_prefix_forms if c.form != NONE)
     prefix_tokens = shape.ppo_epochs * P - fused_tokens
     s.phases.append(Phase(PhaseName.TRAIN, depends_on=train_deps, tokens=prefix_tokens + shape.ppo_epochs * R,
                           note=f"{shape.ppo_epochs} epoch(s); the prefix is recomputed after each optimizer step"))
