@@ -259,8 +259,10 @@ def parse(argv=None):
     ap.add_argument("--kv-pool-gib", type=float, default=0.0, help="rollout.kv_pool_gib (0: sized from the budget)")
     ap.add_argument("--managed", action="store_true", help="memory.managed: offload groups between stages")
     ap.add_argument("--freeze-vision", action="store_true")
-    ap.add_argument("--warmup", default="each", choices=["each", "first"],
-                    help="a warm-up step before each mode's timed steps, or only before the first mode's at each P")
+    ap.add_argument("--warmup", default="each", choices=["each", "modes", "first"],
+                    help="a warm-up step before the timed steps of every (P, mode); of every mode at the first P only "
+                         "(later P: a warm-up rollout for the new pool); or of the first mode at the first P only "
+                         "(the later modes' first steps then run cold: ratios in one run favour the first mode)")
     ap.add_argument("--ref-micro-batch", type=int, default=0,
                     help="algorithm.ref_micro_batch_size: sequences per reference-scoring forward (0: --micro-batch)")
     ap.add_argument("--fused", choices=["auto", "on", "off"], default="auto",
@@ -340,7 +342,7 @@ def main(argv=None) -> dict:
 
     for i, P in enumerate(a.prompt_list):
         prompts = workload_prompts(args, a, P)
-        if i and a.warmup == "first" and a.repeats:
+        if i and a.warmup in ("first", "modes") and a.repeats:
             # a new P is a new KV-pool shape: its decode step compiles and captures in this rollout, outside any row.
             # The pool must be the one the steps will use: the first mode's plan sizes it from this P's budget (else
             # the engine keeps the previous P's size, and the first timed step compiles its own pool shape)
@@ -367,7 +369,7 @@ def main(argv=None) -> dict:
                     runners[mode] = build_step_runtime(cfg, actor, reference, engine, optimizer, None,
                                                        NullTokenizer())
                 row = run_row(a, mode, P, runners[mode], engine, prompts, params, device,
-                              warm_up=a.warmup == "each" or (i == 0 and k == 0), peak=peak)
+                              warm_up=a.warmup == "each" or (i == 0 and (k == 0 or a.warmup == "modes")), peak=peak)
                 if row["step_s"] > a.max_step_s:
                     stopped[mode] = (f"skipped: the step at P={P} took {row['step_s']:.0f} s > --max-step-s "
                                      f"{a.max_step_s:.0f}")

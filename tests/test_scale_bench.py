@@ -135,3 +135,15 @@ def test_overlapped_window_mode_scores_the_reference_in_the_decode_window(tmp_pa
     assert window["mode"] == "overlapped-window" and window["response_tokens"] == plain["response_tokens"]
     assert plain["window_phases"] == [] and window["window_phases"]  # the reference placed beside decode
     assert all("ref" in name for name in window["window_phases"])
+
+
+def test_warmup_modes_warms_every_mode_at_the_first_p_only(tmp_path):
+    """--warmup modes: each mode's first step at the first P is a warm-up (no mode's timed row runs cold, so ratios
+    in one run are fair); a later P warms its new pool with a rollout, as --warmup first does."""
+    result = scale_bench.main(["--geometry", "debug", "--dtype", "float32", "--prompt-tokens", "32", "--response", "4",
+                               "--group", "2", "--micro-batch", "4", "--repeats", "1", "--prompts", "1,2",
+                               "--modes", "overlapped,decomposed", "--warmup", "modes",
+                               "--out", str(tmp_path / "m.json"), "--plot", str(tmp_path / "m.png")])
+    assert [(r["prompts"], r["mode"], r["ok"], r["warm_up_step"]) for r in result["rows"]] == [
+        (1, "overlapped", True, True), (1, "decomposed", True, True), (2, "overlapped", True, False),
+        (2, "decomposed", True, False)]
