@@ -95,3 +95,47 @@ def test_planner_holds_what_the_train_room_allows_as_data():
 def test_the_config_key_reaches_the_planner():
     assert plan_options(load_config(["--runtime.batched_actor_prefix", "true"])).batched_actor_prefix
     assert not plan_options(load_config([])).batched_actor_prefix
+
+
+def test_data_parallel_holds_the_dropped_groups_prefixes_too(setup, monkeypatch):
+    """Defect: with data-parallel ranks and dynamic sampling, the batched prefix held only the kept groups' prompts.
+    A rank that drops groups pads its micro-batches with passes over the dropped ones (grpo_step.
+    equal_micro_batches) so every rank runs the same FSDP2 gathers; such a pass found no held prefix and ran a
+    prefix forward that a rank keeping every group does not run, so the ranks' collectives fell out of step. As in
+    the overlapped mode, a data-parallel rank holds every prompt's prefix. (A one-rank gloo group: the totals'
+    all-reduces run; the padding passes need a second rank, so the test checks what they rely on.)"""
+    import torch.distributed as dist
+
+    from distributed_helpers import free_port, init_gloo
+    from torchplex.runtime import executor, overlap
+
+    build = executor.build_experience
+
+    def drop_first(*args, **kwargs):
+        exp = build(*args, **kwargs)
+        exp.keep_groups[0] = False
+        return exp
+
+    held_prompts = []
+    fused = overlap.fused_prefill
+
+    def recording(scorer, model, store, forms=None):
+        prefill = fused(scorer, model, store, forms)
+        return lambda prompts: (held_prompts.extend(id(p) for p in prompts), prefill(prompts))[1]
+
+    monkeypatch.setattr(executor, "build_experience", drop_first)
+    monkeypatch.setattr(executor, "fused_prefill", recording)
+    init_gloo(0, 1, free_port())
+    try:
+        runner = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=4, kv_pool=2 * 2**20,
+                            plan_options={"batched_actor_prefix": True})
+        runner.dp_size, runner.dp_group = 2, dist.group.WORLD
+        tokenizer = setup[0].tokenizer
+        params = SamplingParams(n=4, max_new_tokens=4, seed=3,
+                                stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+        out = runner.run(setup[1], [""] * len(setup[1]), params)
+    finally:
+        dist.destroy_process_group()
+    assert not out.experience.keep_groups[0]
+    assert held_prompts == [id(p) for p in setup[1]]  # the dropped group's prompt included
+    assert not out.prefixes._held  # what no pass took is freed with the step

@@ -336,7 +336,10 @@ class StepRunner:
 
     def _train(self, step: _Step) -> None:
         st = self.settings
-        keep = step.experience.keep_groups.tolist()
+        # data-parallel: the dropped groups' too, as the overlapped mode holds them: a rank pads its micro-batches
+        # with passes over its dropped groups (equal_micro_batches), which must find their prefixes held to run the
+        # same FSDP2 collectives as another rank's real micro-batches
+        keep = [True] * len(step.prompts) if self.dp_size > 1 else step.experience.keep_groups.tolist()
         held = {id(step.prompts[c.prompt]): c.form for c in step.schedule.train_prefix_forms
                 if c.form != NONE and keep[c.prompt]}
         if held:  # batched_actor_prefix: the kept prompts' actor prefixes in one forward, held for epoch 0
