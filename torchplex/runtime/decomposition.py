@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from ..data.batching import collate
@@ -63,16 +64,21 @@ class VisionCache:
         tower: a reference sharing the actor's frozen tower reuses the actor's encoding. The prompts not cached yet
         are encoded together, up to BATCH_PATCHES patches per `model.encode_vision` call (the root's method, so an
         FSDP2 root initialises before its tower unit is called): one call per prompt ran the 7B tower's ~30 small
-        kernels per block at the host's launch rate, not the GPU's."""
+        kernels per block at the host's launch rate, not the GPU's. An FSDP2-sharded tower still encodes one prompt
+        per call (see below)."""
         pixels = (lambda p: p.pixel_values) if kind == "image" else (lambda p: p.pixel_values_videos)
         grids = (lambda p: p.image_grid_thw) if kind == "image" else (lambda p: p.video_grid_thw)
         key = lambda p: (id(model.visual), id(p), kind)
         todo = list({id(p): p for p in prompts if pixels(p) is not None and key(p) not in self._store}.values())
         merge = model.args.vision.spatial_merge_size ** 2
         device = next(model.visual.parameters()).device
+        # an FSDP2-sharded tower: one prompt per call, as many calls as prompts on every rank. Each call gathers
+        # the tower's parameters across the ranks, and batches cut by patch count differ in number between ranks'
+        # images (a rank with fewer would leave another waiting in a gather)
+        limit = 0 if isinstance(model.visual, FSDPModule) else BATCH_PATCHES
         while todo:
             batch, patches = [], 0
-            while todo and (not batch or patches + pixels(todo[0]).shape[0] <= BATCH_PATCHES):
+            while todo and (not batch or patches + pixels(todo[0]).shape[0] <= limit):
                 patches += pixels(todo[0]).shape[0]
                 batch.append(todo.pop(0))
             with torch.no_grad():
