@@ -26,8 +26,8 @@ def setup(grpo_assets):
     return grpo_assets.processor, grpo_assets.prompts, grpo_assets.actor, grpo_assets.reference
 
 
-def step(setup, batched: bool, budget: int = 2**40, ppo_epochs: int = 1):
-    runner = cpu_runner(setup, "decomposed", budget=budget, micro_batch=4, kv_pool=2 * 2**20, ppo_epochs=ppo_epochs,
+def step(setup, batched: bool, budget: int = 2**40, ppo_epochs: int = 1, micro_batch: int = 4):
+    runner = cpu_runner(setup, "decomposed", budget=budget, micro_batch=micro_batch, kv_pool=2 * 2**20, ppo_epochs=ppo_epochs,
                         plan_options={"batched_actor_prefix": batched})
     forwards = []
     hook = runner.actor.layers[0].register_forward_pre_hook(
@@ -66,6 +66,18 @@ def test_batched_training_prefix_gives_the_plain_decomposed_step(setup, ppo_epoc
     for g, r in zip(runner.optimizer.grads, plain_runner.optimizer.grads):
         assert rel(g, r) < TOL
     assert not out.prefixes._held  # every held prefix was taken (or cleared): nothing outlives the step
+
+
+def test_a_group_cut_into_pieces_gives_the_plain_decomposed_step(setup):
+    """micro_batch_size 2 < n 4: a group's first piece takes its held prefix, the second recomputes it; the
+    gradients are still the plain step's and the batched part is backpropagated once."""
+    plain_runner, plain, _ = step(setup, False, micro_batch=2)
+    runner, out, forwards = step(setup, True, micro_batch=2)
+    assert out.schedule.has(PhaseName.ACTOR_PREFIX)
+    assert rel(out.train.stats.loss, plain.train.stats.loss) < TOL
+    for g, r in zip(runner.optimizer.grads, plain_runner.optimizer.grads, strict=True):
+        assert rel(g, r) < TOL
+    assert not out.prefixes._held
 
 
 def test_no_room_in_training_keeps_the_per_micro_batch_prefix(setup):
