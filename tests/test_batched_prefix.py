@@ -14,7 +14,7 @@ from step_runners import cpu_runner
 from torchplex.config import load_config
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.build import plan_options
-from torchplex.runtime.memory_budget import COMPACT, GRAPH, HEADROOM, NONE
+from torchplex.runtime.memory_budget import COMPACT, GRAPH, HEADROOM, NONE, agree_on_held_form
 from torchplex.runtime.phases import PhaseName, Stage
 from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
 
@@ -109,13 +109,10 @@ def test_the_config_key_reaches_the_planner():
     assert not plan_options(load_config([])).batched_actor_prefix
 
 
-def test_data_parallel_holds_the_dropped_groups_prefixes_too(setup, monkeypatch):
-    """Defect: with data-parallel ranks and dynamic sampling, the batched prefix held only the kept groups' prompts.
-    A rank that drops groups pads its micro-batches with passes over the dropped ones (grpo_step.
-    equal_micro_batches) so every rank runs the same FSDP2 gathers; such a pass found no held prefix and ran a
-    prefix forward that a rank keeping every group does not run, so the ranks' collectives fell out of step. As in
-    the overlapped mode, a data-parallel rank holds every prompt's prefix. (A one-rank gloo group: the totals'
-    all-reduces run; the padding passes need a second rank, so the test checks what they rely on.)"""
+def dp_step(setup, monkeypatch, other_rank_code=None):
+    """A step of a runner told it is one of 2 data-parallel ranks (a one-rank gloo group: the all-reduces run)
+    that drops its first group; `other_rank_code` stands in for the other rank's side of the MIN all-reduce of
+    agree_on_held_form (0: that rank holds nothing). Returns the step and the prompts held in training."""
     import torch.distributed as dist
 
     from distributed_helpers import free_port, init_gloo
@@ -133,10 +130,19 @@ def test_data_parallel_holds_the_dropped_groups_prefixes_too(setup, monkeypatch)
 
     def recording(scorer, model, store, forms=None):
         prefill = fused(scorer, model, store, forms)
-        return lambda prompts: (held_prompts.extend(id(p) for p in prompts), prefill(prompts))[1]
+        return lambda prompts: (held_prompts.append({id(p): forms[id(p)] for p in prompts}), prefill(prompts))[1]
+
+    real_all_reduce = dist.all_reduce
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        work = real_all_reduce(tensor, op=op, group=group, async_op=async_op)
+        if op == dist.ReduceOp.MIN and other_rank_code is not None:
+            tensor.clamp_(max=other_rank_code)
+        return work
 
     monkeypatch.setattr(executor, "build_experience", drop_first)
     monkeypatch.setattr(executor, "fused_prefill", recording)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
     init_gloo(0, 1, free_port())
     try:
         runner = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=4, kv_pool=2 * 2**20,
@@ -149,5 +155,34 @@ def test_data_parallel_holds_the_dropped_groups_prefixes_too(setup, monkeypatch)
     finally:
         dist.destroy_process_group()
     assert not out.experience.keep_groups[0]
-    assert held_prompts == [id(p) for p in setup[1]]  # the dropped group's prompt included
     assert not out.prefixes._held  # what no pass took is freed with the step
+    return out, held_prompts
+
+
+def test_data_parallel_holds_the_dropped_groups_prefixes_too(setup, monkeypatch):
+    """Defect: with data-parallel ranks and dynamic sampling, the batched prefix held only the kept groups' prompts.
+    A rank that drops groups pads its micro-batches with passes over the dropped ones (grpo_step.
+    equal_micro_batches) so every rank runs the same FSDP2 gathers; such a pass found no held prefix and ran a
+    prefix forward that a rank keeping every group does not run, so the ranks' collectives fell out of step. As in
+    the overlapped mode, a data-parallel rank holds every prompt's prefix. (The padding passes need a second
+    rank, so the test checks what they rely on.)"""
+    out, held = dp_step(setup, monkeypatch)
+    assert [c.form for c in out.schedule.train_prefix_forms] == [GRAPH] * len(setup[1])
+    assert held == [{id(p): GRAPH for p in setup[1]}]  # one batched forward, the dropped group's prompt included
+
+
+def test_data_parallel_ranks_agree_on_the_held_form(setup, monkeypatch):
+    """Defect: each rank planned its held forms from its own prompts' lengths, so one rank could hold every
+    prefix (one batched forward, no prefix forward in its micro-batches) while another held none (a prefix
+    forward per micro-batch): different numbers of FSDP2 gathers, the ranks wait on each other. The ranks now
+    agree on one form (memory_budget.agree_on_held_form): here the other rank has no room, so none holds."""
+    out, held = dp_step(setup, monkeypatch, other_rank_code=0)
+    assert [c.form for c in out.schedule.train_prefix_forms] == [GRAPH] * len(setup[1])  # this rank had room
+    assert held == []
+
+
+def test_held_form_agreement_as_data():
+    assert agree_on_held_form([GRAPH, GRAPH], None, "cpu") == GRAPH
+    assert agree_on_held_form([GRAPH, COMPACT], None, "cpu") == COMPACT
+    assert agree_on_held_form([COMPACT, NONE], None, "cpu") == NONE
+    assert agree_on_held_form([], None, "cpu") == NONE  # a rank without prompts holds nothing, nor do the others

@@ -27,8 +27,8 @@ from ..models.qwen2_5_vl.parallelize import is_checkpointed
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
-from .memory_budget import (HEADROOM, NONE, MemoryBudget, agree_on_recompute, device_capacity, kv_pool_bytes,
-                            needs_recompute, no_recompute_bytes, recompute_train_bytes, step_residents)
+from .memory_budget import (HEADROOM, NONE, MemoryBudget, agree_on_held_form, agree_on_recompute, device_capacity,
+                            kv_pool_bytes, needs_recompute, no_recompute_bytes, recompute_train_bytes, step_residents)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
 from .overlap import DecodeWindowJobs, PrefixStore, fused_prefill, rollout_prefill
 from .phases import Stage
@@ -336,12 +336,17 @@ class StepRunner:
 
     def _train(self, step: _Step) -> None:
         st = self.settings
-        # data-parallel: the dropped groups' too, as the overlapped mode holds them: a rank pads its micro-batches
-        # with passes over its dropped groups (equal_micro_batches), which must find their prefixes held to run the
-        # same FSDP2 collectives as another rank's real micro-batches
-        keep = [True] * len(step.prompts) if self.dp_size > 1 else step.experience.keep_groups.tolist()
-        held = {id(step.prompts[c.prompt]): c.form for c in step.schedule.train_prefix_forms
-                if c.form != NONE and keep[c.prompt]}
+        choices = step.schedule.train_prefix_forms
+        if self.dp_size > 1 and st.plan.batched_actor_prefix and step.schedule.mode == "decomposed":
+            # data-parallel: one form for every prompt of every rank (agree_on_held_form), the dropped groups'
+            # too, as the overlapped mode holds them: a rank pads its micro-batches with passes over its dropped
+            # groups (equal_micro_batches), which must find their prefixes held to run the same FSDP2 collectives
+            # as another rank's real micro-batches
+            form = agree_on_held_form([c.form for c in choices], self.dp_group, self.device)
+            held = {id(step.prompts[c.prompt]): form for c in choices} if form != NONE else {}
+        else:
+            keep = step.experience.keep_groups.tolist()
+            held = {id(step.prompts[c.prompt]): c.form for c in choices if c.form != NONE and keep[c.prompt]}
         if held:  # batched_actor_prefix: the kept prompts' actor prefixes in one forward, held for epoch 0
             fused_prefill(self.scorer, self.actor, step.prefixes, held)([p for p in step.prompts if id(p) in held])
         step.result = train_phase(self.actor, self.scorer, step.experience, self.optimizer, self.lr_scheduler,

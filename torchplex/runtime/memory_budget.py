@@ -202,3 +202,18 @@ def agree_on_recompute(need: bool, group, device) -> bool:
     flag = torch.tensor([float(need)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
+
+
+def agree_on_held_form(forms: list[str], group, device) -> str:
+    """One holding form for every prompt of every rank of `group` (data-parallel ranks), from each rank's
+    planned `forms` (one per prompt): GRAPH when every rank planned a graph for each of its prompts, COMPACT when
+    every rank held each prompt in some form (a compact form takes less than a graph), else NONE. An FSDP2
+    actor's forward gathers its parameters on every rank, so the ranks must run the same held prefill forwards
+    (one per form) and the same prefix forwards in training (one per micro-batch whose prompts are not held);
+    forms planned from each rank's own prompt lengths can differ."""
+    code = 0 if not forms or NONE in forms else 2 if set(forms) == {GRAPH} else 1
+    if group is not None:
+        flag = torch.tensor([code], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        code = int(flag.item())
+    return {2: GRAPH, 1: COMPACT}.get(code, NONE)
