@@ -18,8 +18,12 @@ and the padding's gradients are zero. The parameters keep their checkpoint shape
 per forward (~27 MB per vision block, a fraction of a millisecond).
 
 Off by default: `enable(True)` from the trainer and the benchmarks on CUDA (`model.fused_elementwise`). A
-process-wide switch rather than a module attribute: the actor and the reference must run the same kernels (the
-serial baseline included), and torch.compile guards on a module-global bool (one graph per value).
+process-wide switch rather than a module attribute: every mode (the serial baseline included) runs the same
+kernels for the same grad mode, and torch.compile guards on a module-global bool (one graph per value). Within a
+step the kernels do differ by grad mode: the reference and the rollout prefill (no grad) run the compiled chains,
+the actor's training forward the eager ones, and in bf16 the two round differently (one rounding for a fused chain,
+one per op eager; on CPU ~30 % of the rotary's and RMSNorm's outputs differ in the last bit). So with fusion on,
+the KL to a reference at the actor's own weights is small but not exactly zero.
 """
 
 from __future__ import annotations
