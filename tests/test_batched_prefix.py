@@ -186,3 +186,35 @@ def test_held_form_agreement_as_data():
     assert agree_on_held_form([GRAPH, COMPACT], None, "cpu") == COMPACT
     assert agree_on_held_form([COMPACT, NONE], None, "cpu") == NONE
     assert agree_on_held_form([], None, "cpu") == NONE  # a rank without prompts holds nothing, nor do the others
+
+
+def test_the_measured_train_activations_leave_out_the_held_batched_prefix(setup, monkeypatch):
+    """Defect: on CUDA the train stage's activations are measured as its peak less its entry and the gradients,
+    and the batched prefix is allocated inside the stage: it was counted as activations, so the next step's
+    train room (the budget less the train stage, activations included) shrank by what this step held, and the
+    following one grew back. The allocator's counters are stood in for here (CPU): entry 1 GB, the batched
+    prefill allocates H, the stage peaks at entry + H + activations A + gradients."""
+    from torchplex.runtime import executor
+
+    H, A = 7_000_000, 3_000_000
+    now = {"bytes": 2**30}
+    runner = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=4, kv_pool=2 * 2**20,
+                        plan_options={"batched_actor_prefix": True})
+    grads = sum(p.numel() * p.element_size() for p in runner.actor.parameters() if p.requires_grad)
+    fused = executor.fused_prefill
+
+    def prefill_allocating(*args, **kwargs):
+        run = fused(*args, **kwargs)
+        return lambda prompts: (run(prompts), now.update(bytes=now["bytes"] + H))[0]
+
+    monkeypatch.setattr(executor, "fused_prefill", prefill_allocating)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: now["bytes"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: now["bytes"] + A + grads)
+    runner._measures_memory = True
+    tokenizer = setup[0].tokenizer
+    params = SamplingParams(n=4, max_new_tokens=4, seed=3, stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    out = runner.run(setup[1], [""] * len(setup[1]), params)
+    assert out.schedule.has(PhaseName.ACTOR_PREFIX)
+    assert runner._train_activation_bytes == A

@@ -136,6 +136,8 @@ class StepRunner:
         # recomputed is measured: the budget counts training at its recompute form (docs/memory.md)
         self._train_activation_bytes: int | None = None
         self._train_measurable = True
+        self._measures_memory = self.device.type == "cuda"  # the allocator's counters exist (CUDA)
+        self._held_in_train = 0  # what the batched actor prefix allocated in this step's train stage (CUDA)
 
     def attach_memory(self, memory) -> None:
         if self.settings.plan.ref_prefix_in_window or self.settings.plan.ref_suffix_in_window:
@@ -287,7 +289,8 @@ class StepRunner:
         with timeline.span(stage), (phase_timer.phase(stage) if phase_timer else nullcontext()):
             if self.memory is not None and stage in {row.phase for row in self.memory.plan.phases}:
                 self.memory.enter(stage)  # waits for this stage's groups, starts the next stage's prefetches
-            measure = stage is Stage.TRAIN and self.device.type == "cuda"
+            measure = stage is Stage.TRAIN and self._measures_memory
+            self._held_in_train = 0
             if measure:  # what training allocates beyond what it found: its activations and the gradients
                 torch.cuda.synchronize(self.device)
                 entry = torch.cuda.memory_allocated(self.device)
@@ -297,7 +300,10 @@ class StepRunner:
                 torch.cuda.synchronize(self.device)
                 grads = _local_bytes(p for p in self.actor.parameters() if p.requires_grad)
                 if self._train_measurable:
-                    self._train_activation_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - entry - grads)
+                    # less the batched actor prefix held in the stage: the budget counts it in the train room, not
+                    # in the activations (counted in both, the next step's room would shrink by what it held)
+                    peak = torch.cuda.max_memory_allocated(self.device)
+                    self._train_activation_bytes = max(0, peak - entry - grads - self._held_in_train)
 
     # ---- the stages ------------------------------------------------------------------------------------------
     def _vision(self, step: _Step) -> None:
@@ -348,7 +354,10 @@ class StepRunner:
             keep = step.experience.keep_groups.tolist()
             held = {id(step.prompts[c.prompt]): c.form for c in choices if c.form != NONE and keep[c.prompt]}
         if held:  # batched_actor_prefix: the kept prompts' actor prefixes in one forward, held for epoch 0
+            before = torch.cuda.memory_allocated(self.device) if self._measures_memory else 0
             fused_prefill(self.scorer, self.actor, step.prefixes, held)([p for p in step.prompts if id(p) in held])
+            if self._measures_memory:
+                self._held_in_train = torch.cuda.memory_allocated(self.device) - before
         step.result = train_phase(self.actor, self.scorer, step.experience, self.optimizer, self.lr_scheduler,
                                   st.loss, temperature=st.temperature, micro_batch_size=st.micro_batch_size,
                                   whole_groups=step.schedule.mode != "serial", ppo_epochs=st.ppo_epochs,
