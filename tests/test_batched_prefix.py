@@ -179,6 +179,7 @@ def test_data_parallel_ranks_agree_on_the_held_form(setup, monkeypatch):
     out, held = dp_step(setup, monkeypatch, other_rank_code=0)
     assert [c.form for c in out.schedule.train_prefix_forms] == [GRAPH] * len(setup[1])  # this rank had room
     assert held == []
+    assert any("agreed form" in r for r in out.schedule.reasons)
 
 
 def test_held_form_agreement_as_data():

@@ -350,6 +350,9 @@ class StepRunner:
             # as another rank's real micro-batches
             form = agree_on_held_form([c.form for c in choices], self.dp_group, self.device)
             held = {id(step.prompts[c.prompt]): form for c in choices} if form != NONE else {}
+            if any(c.form != form for c in choices):
+                step.schedule.reasons.append(f"actor prefixes in training held as {form} for every prompt: the "
+                                             "data-parallel ranks' agreed form (memory_budget.agree_on_held_form)")
         else:
             keep = step.experience.keep_groups.tolist()
             held = {id(step.prompts[c.prompt]): c.form for c in choices if c.form != NONE and keep[c.prompt]}
