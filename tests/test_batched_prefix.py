@@ -215,7 +215,8 @@ def test_the_measured_train_activations_leave_out_the_held_batched_prefix(setup,
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: now["bytes"] + A + grads)
     runner._measures_memory = True
     tokenizer = setup[0].tokenizer
-    params = SamplingParams(n=4, max_new_tokens=4, seed=3, stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    params = SamplingParams(n=4, max_new_tokens=4, seed=3,
+                            stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
     out = runner.run(setup[1], [""] * len(setup[1]), params)
     assert out.schedule.has(PhaseName.ACTOR_PREFIX)
     assert runner._train_activation_bytes == A
