@@ -15,6 +15,7 @@ from torchplex.config import load_config
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.build import plan_options
 from torchplex.runtime.memory_budget import COMPACT, GRAPH, HEADROOM, NONE, agree_on_held_form
+from torchplex.runtime.overlap import length_groups
 from torchplex.runtime.phases import PhaseName, Stage
 from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
 
@@ -53,11 +54,15 @@ def test_batched_training_prefix_gives_the_plain_decomposed_step(setup, ppo_epoc
     assert [c.form for c in forms] == [GRAPH] * len(setup[1])  # room for every whole graph
     phase = out.schedule.phase(PhaseName.ACTOR_PREFIX)
     assert phase.stage is Stage.TRAIN and phase.holds_bytes == sum(c.bytes for c in forms) > 0
-    # training: one forward with grad over every prompt's prefix (a batch of all of them), where the plain step
-    # runs one prefix per micro-batch (a batch of one prompt)
-    everyone = (len(setup[1]), max(len(p.input_ids) for p in setup[1]))
-    assert [shape[:2] for grad, shape in forwards if grad].count(everyone) == 1
-    assert not any(grad and shape[:2] == everyone for grad, shape in plain_forwards)
+    # training: one forward with grad per group of similar prompt lengths (overlap.length_groups), each a batch of
+    # its prompts padded to its longest, where the plain step runs one prefix per micro-batch (one prompt each)
+    groups = length_groups(setup[1])
+    assert 1 < len(groups) < len(setup[1])  # these prompts make a batch of two and a batch of one
+    batches = [(len(g), max(len(p.input_ids) for p in g)) for g in groups]
+    grad_shapes = [shape[:2] for grad, shape in forwards if grad]
+    assert grad_shapes[:len(batches)] == batches  # training's first forwards, before any micro-batch
+    assert all(shape[0] == 1 for shape in grad_shapes[len(batches):])  # then packed suffixes only
+    assert not any(grad and shape[0] > 1 for grad, shape in plain_forwards)
     assert out.experience.tokens.equal(plain.experience.tokens)
     mask = out.experience.mask
     assert rel(out.experience.old_logprobs[mask], plain.experience.old_logprobs[mask]) < TOL
@@ -220,3 +225,16 @@ def test_the_measured_train_activations_leave_out_the_held_batched_prefix(setup,
     out = runner.run(setup[1], [""] * len(setup[1]), params)
     assert out.schedule.has(PhaseName.ACTOR_PREFIX)
     assert runner._train_activation_bytes == A
+
+
+def test_length_groups_keep_each_batch_within_the_ratio_of_its_shortest():
+    """A batched prefix pads to its batch's longest prompt; grouping by length keeps the padding (held memory the
+    budget does not count) within 25 % of the shortest's length. The helper review measured 21 % more than planned
+    for one batch of a 24- and an 89-token prompt."""
+    from types import SimpleNamespace
+
+    prompts = [SimpleNamespace(input_ids=[0] * n) for n in (100, 89, 24, 30, 126, 125)]
+    groups = length_groups(prompts)
+    assert [[len(p.input_ids) for p in g] for g in groups] == [[24, 30], [89, 100], [125, 126]]
+    assert all(len(g[-1].input_ids) <= 1.25 * len(g[0].input_ids) for g in groups)
+    assert length_groups(prompts, ratio=10.0) == [sorted(prompts, key=lambda p: len(p.input_ids))]

@@ -30,7 +30,7 @@ from .decomposition import DecomposedScorer, VisionCache
 from .memory_budget import (HEADROOM, NONE, MemoryBudget, agree_on_held_form, agree_on_recompute, device_capacity,
                             kv_pool_bytes, needs_recompute, no_recompute_bytes, recompute_train_bytes, step_residents)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
-from .overlap import DecodeWindowJobs, PrefixStore, fused_prefill, rollout_prefill
+from .overlap import DecodeWindowJobs, PrefixStore, fused_prefill, length_groups, rollout_prefill
 from .phases import Stage
 from .planner import PlanOptions, Schedule, StepShape, plan_step
 from .prefix_graphs import PrefixGraphs
@@ -356,9 +356,14 @@ class StepRunner:
         else:
             keep = step.experience.keep_groups.tolist()
             held = {id(step.prompts[c.prompt]): c.form for c in choices if c.form != NONE and keep[c.prompt]}
-        if held:  # batched_actor_prefix: the kept prompts' actor prefixes in one forward, held for epoch 0
+        if held:  # batched_actor_prefix: the kept prompts' actor prefixes in batched forwards, held for epoch 0
             before = torch.cuda.memory_allocated(self.device) if self._measures_memory else 0
-            fused_prefill(self.scorer, self.actor, step.prefixes, held)([p for p in step.prompts if id(p) in held])
+            prefill = fused_prefill(self.scorer, self.actor, step.prefixes, held)
+            prompts = [p for p in step.prompts if id(p) in held]
+            # one batch per group of similar lengths (little padding held); data-parallel ranks run one batch each,
+            # as their FSDP2 gathers must match in number whatever their prompts' lengths
+            for batch in (length_groups(prompts) if self.dp_size == 1 else [prompts]):
+                prefill(batch)
             if self._measures_memory:
                 self._held_in_train = torch.cuda.memory_allocated(self.device) - before
         step.result = train_phase(self.actor, self.scorer, step.experience, self.optimizer, self.lr_scheduler,

@@ -239,6 +239,18 @@ def fused_prefill(scorer, model, store: PrefixStore, forms: dict[int, str] | Non
     return prefill
 
 
+def length_groups(prompts: Sequence, ratio: float = 1.25) -> list[list]:
+    """The prompts in ascending length, cut where one is longer than `ratio` times its group's shortest. A batched
+    prefix forward right-pads every prompt to its batch's longest, so one batch per group keeps what it holds within
+    `ratio` of what the memory budget counts (a held form's rate times each prompt's own length)."""
+    groups: list[list] = []
+    for p in sorted(prompts, key=lambda p: len(p.input_ids)):
+        if not groups or len(p.input_ids) > ratio * len(groups[-1][0].input_ids):
+            groups.append([])
+        groups[-1].append(p)
+    return groups
+
+
 def hold_prefix(scorer, model, prompt, store: PrefixStore) -> None:
     """One prompt's no-grad prefix of `model` (the reference), computed ahead of its scoring and held."""
     with torch.no_grad():
