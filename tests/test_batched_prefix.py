@@ -120,7 +120,7 @@ def dp_step(setup, monkeypatch, other_rank_code=None):
     agree_on_held_form (0: that rank holds nothing). Returns the step and the prompts held in training."""
     import torch.distributed as dist
 
-    from distributed_helpers import free_port, init_gloo
+    from distributed_helpers import free_port
     from torchplex.runtime import executor, overlap
 
     build = executor.build_experience
@@ -148,7 +148,9 @@ def dp_step(setup, monkeypatch, other_rank_code=None):
     monkeypatch.setattr(executor, "build_experience", drop_first)
     monkeypatch.setattr(executor, "fused_prefill", recording)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    init_gloo(0, 1, free_port())
+    # init_method, not init_gloo: that one sets MASTER_PORT/RANK/WORLD_SIZE in os.environ, which later tests in this
+    # process (and the trainers they spawn) would read as a torchrun launch
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         runner = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=4, kv_pool=2 * 2**20,
                             plan_options={"batched_actor_prefix": True})
