@@ -67,10 +67,11 @@ class PlanOptions:
     # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket, captured on CUDA
     # (runtime/prefix_graphs.py): an eager prefix is host-bound (3B, 987 tokens: ~0.17 s of host time on the H200).
     ref_prefix_graphs: bool = False
-    # decomposed: the actor prefixes of the step's prompts as one batched forward at the start of training, held
-    # (compact or whole graph, as the train stage's room allows) for the first epoch's micro-batches, their
-    # backward one batched pass after the last (DecomposedScorer.finish_backward): fewer, larger kernels than one
-    # prefix forward and backward per micro-batch, which at micro-batch 8 the host's launch rate bounds
+    # decomposed: the actor prefixes of the step's prompts in batched forwards at the start of training (one per
+    # group of similar lengths: overlap.length_groups), held (compact or whole graph, as the train stage's room
+    # allows) for the first epoch's micro-batches, their backward one batched pass after the last
+    # (DecomposedScorer.finish_backward): fewer, larger kernels than one prefix forward and backward per
+    # micro-batch, which at micro-batch 8 the host's launch rate bounds
     batched_actor_prefix: bool = False
     # the step's memory budget (memory.budget_gib); 0: the device's (memory_budget.device_capacity). What held
     # prefixes may take is computed from it by the runner (StepShape.prefix_room_bytes)
@@ -277,10 +278,10 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
             deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ())
             s.phases.append(Phase(PhaseName.ACTOR_PREFIX, depends_on=deps, holds_bytes=held_train,
                                   tokens=sum(c.tokens for c in s.train_prefix_forms if c.form != NONE),
-                                  note=f"{count} prompts in one batched forward before training's micro-batches"))
+                                  note=f"{count} prompts in batched forwards before training's micro-batches"))
             s.reasons.append(f"actor prefix batched at the start of training for {count} of "
                              f"{len(shape.prompt_lengths)} prompts (room {shape.train_room_bytes / 2**30:.2f} GiB): one "
-                             "forward and one backward over them instead of one per micro-batch")
+                             "batched forward per group of similar lengths and one backward instead of one per micro-batch")
         else:
             s.reasons.append("actor prefix not batched in training: no room for a held prefix in the train stage")
     train_deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ()) + (
