@@ -10,6 +10,7 @@ import torch
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing
 from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
+from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.executor import StepRunner, StepSettings
 from torchplex.runtime.planner import PlanOptions
 
@@ -38,3 +39,15 @@ def cpu_runner(setup, mode: str, *, budget: int, micro_batch: int, kv_pool: int,
                                  plan=PlanOptions(mode=mode, memory_budget_bytes=budget, **(plan_options or {})),
                                  **settings)
     return StepRunner(actor, copy.deepcopy(reference), engine, optimizer, None, processor.tokenizer, step_settings)
+
+
+def run_recording(runner: StepRunner, setup, module: torch.nn.Module, record):
+    """One step over the setup's prompts (4 samples of up to 6 tokens each), with `record(args)` called before every
+    forward of `module`; returns the step's output."""
+    prompts, tokenizer = setup[1], setup[0].tokenizer
+    params = SamplingParams(n=4, max_new_tokens=6, seed=3, stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    hook = module.register_forward_pre_hook(lambda m, args: record(args))
+    try:
+        return runner.run(prompts, [""] * len(prompts), params)
+    finally:
+        hook.remove()

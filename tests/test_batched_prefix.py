@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from step_runners import cpu_runner
+from step_runners import cpu_runner, run_recording
 from torchplex.config import load_config
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.build import plan_options
@@ -31,14 +31,8 @@ def step(setup, batched: bool, budget: int = 2**40, ppo_epochs: int = 1, micro_b
     runner = cpu_runner(setup, "decomposed", budget=budget, micro_batch=micro_batch, kv_pool=2 * 2**20, ppo_epochs=ppo_epochs,
                         plan_options={"batched_actor_prefix": batched})
     forwards = []
-    hook = runner.actor.layers[0].register_forward_pre_hook(
-        lambda m, a: forwards.append((torch.is_grad_enabled(), tuple(a[0].shape))))
-    prompts, tokenizer = setup[1], setup[0].tokenizer
-    params = SamplingParams(n=4, max_new_tokens=6, seed=3, stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
-    try:
-        out = runner.run(prompts, [""] * len(prompts), params)
-    finally:
-        hook.remove()
+    out = run_recording(runner, setup, runner.actor.layers[0],
+                        lambda args: forwards.append((torch.is_grad_enabled(), tuple(args[0].shape))))
     return runner, out, forwards
 
 

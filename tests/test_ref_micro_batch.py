@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from step_runners import cpu_runner
+from step_runners import cpu_runner, run_recording
 from torchplex.config import ConfigError, load_config
-from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.build import step_settings
 
 
@@ -22,13 +21,7 @@ def step(setup, mode, ref_micro_batch):
     runner = cpu_runner(setup, mode, budget=2**40, micro_batch=4, kv_pool=2 * 2**20,
                         ref_micro_batch_size=ref_micro_batch)
     forwards = []
-    hook = runner.reference.layers[0].register_forward_pre_hook(lambda m, a: forwards.append(a[0].shape[0]))
-    prompts, tokenizer = setup[1], setup[0].tokenizer
-    params = SamplingParams(n=4, max_new_tokens=6, seed=3, stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
-    try:
-        out = runner.run(prompts, [""] * len(prompts), params)
-    finally:
-        hook.remove()
+    out = run_recording(runner, setup, runner.reference.layers[0], lambda args: forwards.append(args[0].shape[0]))
     return out, len(forwards)
 
 
