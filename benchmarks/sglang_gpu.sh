@@ -32,6 +32,8 @@ bounded() { timeout -k 20 "$@"; }
 RUN_S=${RUN_S:-480}
 SGL_TIMEOUT_S=${SGL_TIMEOUT_S:-120}
 export PYTHONUNBUFFERED=1  # rows printed as they finish, even when the process is killed
+# SGLang's memory saver refuses expandable segments (its scheduler dies at start-up): never inherit them here
+unset PYTORCH_CUDA_ALLOC_CONF
 mkdir -p "$OUT"
 stamp=$(date -u +%Y%m%d)
 tiny() {  # the trainer's tiny checkpoint (few MB), written once per machine
@@ -70,12 +72,14 @@ print('sglang', sglang.__version__, 'transformers', transformers.__version__, 't
     if [ "$ckpt" = /tmp/ckpt7b ]; then ckpt7b; else tiny; fi
     probe() { bounded "$RUN_S" python benchmarks/probes/sglang_overlap.py --ckpt "$ckpt" --timeout-s "$SGL_TIMEOUT_S" \
       --watchdog-s "$RUN_S" "$@"; }
-    probe --out "$OUT/sglang-$stamp-overlap.json" || true
+    status=0
+    probe --out "$OUT/sglang-$stamp-overlap.json" || status=$?  # the MPS run goes ahead either way
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d
     trap 'echo quit | nvidia-cuda-mps-control' EXIT
-    probe --mps --out "$OUT/sglang-$stamp-overlap-mps.json" ;;
+    probe --mps --out "$OUT/sglang-$stamp-overlap-mps.json" || status=$?
+    exit "$status" ;;
   *)
     echo "usage: $0 install N | check | train | step | overlap" >&2; exit 2 ;;
 esac

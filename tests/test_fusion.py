@@ -127,3 +127,39 @@ def test_model_with_fusion_and_an_odd_vision_width_trains_like_the_eager_model(f
     with torch.no_grad():  # where the chains run compiled (the rollout prefill, reference scoring)
         scored = model(ids, image_embeds=model.encode_vision(pixels, grid))
     torch.testing.assert_close(scored, ref[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_batched_forward_with_grad_runs_the_compiled_chains_and_its_recompute_replays_them(fused):
+    """fusion.batched_forward (the fused prefill, the batched actor prefix): the chains run compiled with grad too,
+    and a checkpointed model's backward, outside the context, recomputes with the compiled chains as its forward
+    did (compiled and eager chains save different tensors: a recompute with the other kind fails checkpoint's
+    check). Hidden states and gradients are those of the eager model."""
+    from torch._dynamo.utils import counters
+
+    from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing
+
+    args = dataclasses.replace(FLAVORS["debug"], image_token_id=10, vision_start_token_id=11, vision_end_token_id=12)
+    torch.manual_seed(0)
+    model = Qwen2_5_VLModel(args)
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    apply_activation_checkpointing(model)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 13, 14]])
+
+    def run(batched):
+        model.zero_grad(set_to_none=True)
+        with fusion.batched_forward() if batched else torch.enable_grad():
+            h = model(ids)
+        model.logits(h).float().logsumexp(-1).sum().backward()  # outside the context: the recompute runs here
+        return h.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref = run(False)
+    fused("aot_eager")
+    before = counters["frames"]["ok"]
+    eager_again = run(False)  # fusion on, with grad, no context: eager chains, nothing compiled
+    assert counters["frames"]["ok"] == before
+    got = run(True)
+    assert counters["frames"]["ok"] > before  # compiled with grad inside the context
+    for out in (eager_again, got):
+        torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+        for name in ref[1]:
+            torch.testing.assert_close(out[1][name], ref[1][name], rtol=1e-5, atol=1e-5, msg=name)

@@ -294,6 +294,24 @@ def test_startup_fails_on_cpu_and_without_sglang_saying_what_to_install():
                             timeout_s=1, bucket_mib=1, seed=0, engine_factory=FakeSGLangEngine)
 
 
+def test_expandable_segments_are_refused_before_sglang_starts(monkeypatch):
+    """SGLang's memory saver refuses PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and its scheduler died at
+    start-up on the H200 (an SGLang traceback, then the process killed): say so at start-up instead, naming it."""
+    from torchplex.rollout.sglang_backend.engine import allocator_conflict
+
+    for conf in ("expandable_segments:True", "max_split_size_mb:64, expandable_segments:true"):
+        why = allocator_conflict(conf)
+        assert "PYTORCH_CUDA_ALLOC_CONF" in why and "expandable_segments" in why
+    for conf in ("", "expandable_segments:False", "max_split_size_mb:64"):
+        assert allocator_conflict(conf) == ""
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else None)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(SGLangUnavailableError, match="torch_memory_saver"):
+        check_sglang_available(torch.device("cuda", 0))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    check_sglang_available(torch.device("cuda", 0))  # the same machine without the variable passes the check
+
+
 def test_trainer_with_backend_sglang_on_cpu_fails_before_loading_anything(tmp_path):
     from torchplex.config import load_config
     from torchplex.train import Trainer

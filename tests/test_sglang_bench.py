@@ -115,3 +115,20 @@ def test_overlap_probe_on_a_folder_without_weights_starts_sglang_on_dummy_weight
     assert row["ok"], row["error"]
     [fake] = FakeSGLangEngine.instances
     assert fake.settings["load_format"] == "dummy" and fake.pushes  # every weight pushed before sampling
+
+
+def test_overlap_probe_killed_by_sglang_leaves_a_failed_row(tiny_ckpt, tmp_path):
+    """On the H200 SGLang's scheduler died at start-up and took the probe process with it (no except ran, no file
+    came back): the probe writes its failed row before it starts, and a finished run replaces it."""
+    from benchmarks.probes import sglang_overlap
+
+    def killed(**settings):
+        raise SystemExit(1)  # what SGLang's SIGQUIT handler does to its parent, as far as this process can tell
+
+    out = tmp_path / "overlap.json"
+    with pytest.raises(SystemExit):
+        sglang_overlap.main(["--ckpt", str(tiny_ckpt), "--prompts", "1", "--group", "2", "--max-new-tokens", "2",
+                             "--prompt-tokens", "30", "--dtype", "float32", "--out", str(out)], engine_factory=killed)
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["ok"] is False and "ended before its measurement finished" in row["error"]
+    assert row["backend"] == "sglang" and row["suite"] == "overlap"

@@ -108,6 +108,10 @@ def main(argv=None, engine_factory=None) -> dict:
     base = {"workload": "img", "backend": "sglang", "suite": "overlap", "mps": a.mps, "prompts": a.prompts,
             "group": a.group}
     rows, engine = [], None
+    if a.out:  # a failed row first: SGLang kills this process when its scheduler dies, before any except runs
+        write_results(a.out, [failed_row(base, RuntimeError("the probe ended before its measurement finished "
+                                                            "(killed or crashed: see its log)"))],
+                      argv, device, script="benchmarks/probes/sglang_overlap.py")
     try:
         if engine_factory is None:
             check_sglang_available(device)

@@ -7,8 +7,9 @@ recompile) where no gradient is taken: the rollout prefill and reference scoring
 faster on the H200 at P = 8 (docs/benchmarks.md). With grad enabled (training) the chains stay eager: there a compiled call's
 host cost (guard checks, the AOT runtime wrapper, its autograd node: ~2 s of GPU idle per 8 training micro-batches
 at 7B, measured) exceeded the kernels it saved, because the training phase is bound by the host's launch rate at
-micro-batch 8. The same math either way, so the fp32 CPU tests that compare against transformers and the serial
-step hold; on a GPU the rounding may differ in the last bits (a reduction summed in another order).
+micro-batch 8. A batched forward with grad over many prompts (`batched_forward`: the fused prefill, the batched
+actor prefix) runs them compiled again: its calls are large enough (tens of thousands of tokens). The same math
+either way, so the fp32 CPU tests that compare against transformers and the serial step hold; on a GPU the rounding may differ in the last bits (a reduction summed in another order).
 
 Odd widths: the vision tower's MLP is 3420 wide, which no 16-byte-aligned GEMM kernel takes, so cuBLAS falls back
 to Ampere-era align-2 kernels (~40 % of the rollout prefill's GEMM time at P = 8). With fusion on, a gated MLP whose
@@ -20,15 +21,17 @@ per forward (~27 MB per vision block, a fraction of a millisecond).
 Off by default: `enable(True)` from the trainer and the benchmarks on CUDA (`model.fused_elementwise`). A
 process-wide switch rather than a module attribute: every mode (the serial baseline included) runs the same
 kernels for the same grad mode, and torch.compile guards on a module-global bool (one graph per value). Within a
-step the kernels do differ by grad mode: the reference and the rollout prefill (no grad) run the compiled chains,
-the actor's training forward the eager ones, and in bf16 the two round differently (one rounding for a fused chain,
+step the kernels do differ by grad mode: the reference and the rollout prefill (no grad) and the batched prefix
+forwards run the compiled chains, the actor's training micro-batches the eager ones, and in bf16 the two round differently (one rounding for a fused chain,
 one per op eager; on CPU ~30 % of the rotary's and RMSNorm's outputs differ in the last bit). So with fusion on,
 the KL to a reference at the actor's own weights is small but not exactly zero.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -107,10 +110,40 @@ def gated_eager(a: torch.Tensor, b: torch.Tensor, act: Callable) -> torch.Tensor
 
 
 _compiled: dict[str, Callable] = {}
+_local = threading.local()  # per thread: the decode window's thread never inherits the main thread's context
+
+
+@contextmanager
+def batched_forward():
+    """Inside: the compiled chains with grad too. For one forward over many prompts at once (the overlapped
+    rollout's fused prefill, the decomposed mode's batched actor prefix): tens of thousands of tokens per call, so
+    each compiled call's host cost hides behind its kernels, and its backward is one batched pass as well; a
+    training micro-batch is not (see the module docstring)."""
+    depth = getattr(_local, "batched", 0)
+    _local.batched = depth + 1
+    try:
+        yield
+    finally:
+        _local.batched = depth
+
+
+def under_current_mode(fn: Callable) -> Callable:
+    """`fn`, run as inside `batched_forward` when it is active now: for a function a checkpoint reruns in backward
+    (outside the forward's context), whose rerun must save what its forward saved (compiled and eager chains save
+    different tensors)."""
+    if not getattr(_local, "batched", 0):
+        return fn
+
+    def run(*args, **kwargs):
+        with batched_forward():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _pick(name: str, eager: Callable) -> Callable:
-    if not _ON or torch.is_grad_enabled():  # compiled only without grad: see the module docstring
+    # compiled only without grad, or inside batched_forward: see the module docstring
+    if not _ON or (torch.is_grad_enabled() and not getattr(_local, "batched", 0)):
         return eager
     fn = _compiled.get(name)
     if fn is None:

@@ -30,7 +30,7 @@ from .decomposition import DecomposedScorer, VisionCache
 from .memory_budget import (HEADROOM, NONE, MemoryBudget, agree_on_held_form, agree_on_recompute, device_capacity,
                             kv_pool_bytes, needs_recompute, no_recompute_bytes, recompute_train_bytes, step_residents)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
-from .overlap import DecodeWindowJobs, PrefixStore, fused_prefill, length_groups, rollout_prefill
+from .overlap import DecodeWindowJobs, PrefixStore, fused_prefill, hold_prefixes, length_groups, rollout_prefill
 from .phases import Stage
 from .planner import PlanOptions, Schedule, StepShape, plan_step
 from .prefix_graphs import PrefixGraphs
@@ -165,7 +165,20 @@ class StepRunner:
                          ppo_epochs=self.settings.ppo_epochs, kv_bytes_per_token=kv,
                          activation_bytes_per_token=self._activation_bytes_per_token or self._graph_estimate(),
                          compact_bytes_per_token=self._compact_bytes_per_token or self._compact_estimate(),
-                         device=self.device.type)
+                         ref_prefix_batchable=self._ref_prefix_unbatchable(params.n), device=self.device.type)
+
+    def _ref_prefix_unbatchable(self, group_size: int) -> str:
+        """Why the reference prefixes cannot run batched ahead of the suffixes ("" when they can): on several ranks
+        a sharded reference gathers per forward, and the ranks' prompts fall in different numbers of length groups;
+        a reference micro-batch smaller than a group scores a group in pieces, each taking the prefix again."""
+        if self.reference is None:
+            return "no reference model"
+        if self.dp_size > 1 and not plain_tensors(self.reference):
+            return "the reference is sharded across data-parallel ranks"
+        size = self.settings.ref_micro_batch_size or self.settings.micro_batch_size
+        if size < group_size:
+            return f"reference micro-batches of {size} < a group's {group_size}"
+        return ""
 
     def _graph_estimate(self) -> float:
         """Bytes per prompt token a fused prefill's whole graph holds, before it was measured: per decoder layer
@@ -282,6 +295,13 @@ class StepRunner:
         else:  # the part of a pool sized past what the memory plan was built with (kv_pool_gib 0)
             planned_pool = sum(g.nbytes for g in self.memory.plan.groups if g.name == "kv_pool")
             residents["rollout"]["kv_pool"] = max(0, pool - planned_pool)
+        plan = self.settings.plan
+        if plan.mode != "serial" and self.reference is not None and (
+                plan.ref_prefix_in_window or plan.ref_suffix_in_window
+                or (plan.batched_ref_prefix and shape.ref_prefix_batchable == "")):
+            # every prompt's reference prefix K/V at once in the ref stage (batched ahead of the suffixes, or held
+            # from the decode window): the REF_PREFIX phase's bytes
+            residents["ref"]["ref_prefix_kv"] = shape.kv_bytes_per_token * shape.prefix_tokens
         return budget
 
     @contextmanager
@@ -334,6 +354,10 @@ class StepRunner:
         # per-forward FSDP2 gathers stay in step; with the window, how many are left differs between ranks,
         # and the reference is gathered once from the rollout on (distributed.fsdp.gathered).
         st = self.settings
+        if step.schedule.ref_prefix_batched:  # the prompts whose samples the window did not all score
+            g, scored = step.params.n, step.window_jobs.scored
+            left = [p for i, p in enumerate(step.prompts) if any(i * g + j not in scored for j in range(g))]
+            hold_prefixes(self.scorer, self.reference, left, step.prefixes)
         reference_phase(self.reference, self.scorer, step.experience, st.temperature,
                         st.ref_micro_batch_size or st.micro_batch_size,
                         step.schedule.mode != "serial", scored=step.window_jobs.scored)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..models import fusion
 from ..models.attention import PrefixState
 from ..models.qwen2_5_vl.parallelize import recompute
 from .grpo_step import request_from_outputs
@@ -159,7 +160,7 @@ def _compact_class(cls: type) -> type:
             if counter is None or not torch.is_grad_enabled():
                 return cls.forward(self, x, *args, **kwargs)
             counter.keep(x)
-            return checkpoint(cls.forward, self, x, *args, use_reentrant=False, **kwargs)
+            return checkpoint(fusion.under_current_mode(cls.forward), self, x, *args, use_reentrant=False, **kwargs)
 
         _COMPACT_CLASSES[cls] = type(f"Compact{cls.__name__}", (cls,), {"forward": forward})
     return _COMPACT_CLASSES[cls]
@@ -224,7 +225,8 @@ def fused_prefill(scorer, model, store: PrefixStore, forms: dict[int, str] | Non
         with torch.enable_grad():  # the parts too: a view made under no_grad would cut them from the graph
             # graph: a checkpointed actor's blocks keep their whole graphs too, so SavedBytes measures the rate the
             # budget plans this form with (and training's recompute choice reads)
-            with saved, compact, recompute(form != "graph"):
+            # one forward over many prompts: the compiled elementwise chains pay with grad too (models/fusion.py)
+            with saved, compact, recompute(form != "graph"), fusion.batched_forward():
                 state = scorer.prefix(model, prompts)[0]
             for b, p in enumerate(prompts):
                 part = state if len(prompts) == 1 else prompt_part(state, b, len(p.input_ids))
@@ -249,6 +251,29 @@ def length_groups(prompts: Sequence, ratio: float = 1.25) -> list[list]:
             groups.append([])
         groups[-1].append(p)
     return groups
+
+
+REF_PREFIX_TOKENS = 65536  # padded prompt tokens per batched no-grad prefix forward (~5 GB of transients at 7B)
+
+
+def hold_prefixes(scorer, model, prompts: Sequence, store: PrefixStore, max_tokens: int = REF_PREFIX_TOKENS) -> int:
+    """No-grad prefixes of `model` (the reference) for those of `prompts` not held yet, in batched forwards (one per
+    group of similar lengths, each at most `max_tokens` padded tokens), each prompt's part held in `store` for its
+    scoring; returns the forwards run. The same forward as one per scoring micro-batch, on more prompts at once."""
+    todo = [p for p in prompts if not store.has(model, p)]
+    forwards = 0
+    for group in length_groups(todo):
+        width = len(group[-1].input_ids)  # ascending: the group's longest pads the batch
+        per = max(1, max_tokens // width)
+        for start in range(0, len(group), per):
+            batch = group[start:start + per]
+            with torch.no_grad():
+                state = scorer.prefix(model, batch)[0]
+            for b, p in enumerate(batch):
+                store.put(model, p, state if len(batch) == 1 else prompt_part(state, b, len(p.input_ids)))
+            forwards += 1
+    scorer.counts.add(TokenCounts(prefix_tokens=sum(len(p.input_ids) for p in todo)))
+    return forwards
 
 
 def hold_prefix(scorer, model, prompt, store: PrefixStore) -> None:

@@ -45,6 +45,9 @@ class StepShape:
     train_room_bytes: int = 0
     # what the compact form (overlap.CompactPrefix: layer-boundary hidden states) holds per prompt token; 0: none
     compact_bytes_per_token: float = 0
+    # the reference's prefixes may run batched ahead of its suffixes (the runner's: one GPU or plain tensors, whose
+    # forwards gather nothing across ranks, and reference micro-batches of whole groups); why not, otherwise
+    ref_prefix_batchable: str = ""
     device: str = "cpu"
 
     @property
@@ -73,6 +76,10 @@ class PlanOptions:
     # (DecomposedScorer.finish_backward): fewer, larger kernels than one prefix forward and backward per
     # micro-batch, which at micro-batch 8 the host's launch rate bounds
     batched_actor_prefix: bool = False
+    # decomposed/overlapped: the reference prefixes of every prompt in batched no-grad forwards at the start of the
+    # ref stage (one per group of similar lengths), their K/V held for the reference micro-batches' suffixes (the
+    # REF_PREFIX phase's bytes): a prefix forward over four prompts per micro-batch is bound by the host's launch rate
+    batched_ref_prefix: bool = True
     # the step's memory budget (memory.budget_gib); 0: the device's (memory_budget.device_capacity). What held
     # prefixes may take is computed from it by the runner (StepShape.prefix_room_bytes)
     memory_budget_bytes: int = 0
@@ -117,6 +124,7 @@ class Schedule:
     # decomposed with batched_actor_prefix: how each prompt's actor prefix is held within the train stage
     train_prefix_forms: list[PrefixChoice] = field(default_factory=list)
     memory: dict = field(default_factory=dict)  # the budget it was planned from (MemoryBudget.to_dict), if any
+    ref_prefix_batched: bool = False  # the ref stage first runs every reference prefix batched (batched_ref_prefix)
 
     def fused_prompts(self) -> list[int]:
         """Prompts whose actor prefix the rollout prefill keeps for training (whole graph or compact)."""
@@ -170,7 +178,8 @@ class Schedule:
         phases = [{**asdict(p), "stage": p.stage} for p in self.phases]
         return json.dumps({"mode": self.mode, "phases": phases, "reasons": self.reasons,
                            "prefix_forms": [asdict(c) for c in self.prefix_forms],
-                           "train_prefix_forms": [asdict(c) for c in self.train_prefix_forms], "memory": self.memory},
+                           "train_prefix_forms": [asdict(c) for c in self.train_prefix_forms], "memory": self.memory,
+                           "ref_prefix_batched": self.ref_prefix_batched},
                           indent=2)
 
 
@@ -249,7 +258,16 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
             s.reasons.append("reference prefix K/V computed in the rollout decode window (second host thread, side "
                              "stream): its host-bound launches run beside the decode loop's")
         else:
-            s.phases.append(Phase(PhaseName.REF_PREFIX, depends_on=("rollout",), holds_bytes=ref_kv, tokens=P))
+            batch_ref = options.batched_ref_prefix and shape.ref_prefix_batchable == ""
+            s.phases.append(Phase(PhaseName.REF_PREFIX, depends_on=("rollout",), holds_bytes=ref_kv, tokens=P,
+                                  note="batched: one forward per group of similar lengths" if batch_ref else ""))
+            s.ref_prefix_batched = batch_ref
+            if batch_ref:
+                s.reasons.append("reference prefixes batched at the start of the ref stage (one no-grad forward per "
+                                 "group of similar lengths), their K/V held for the suffix micro-batches")
+            elif options.batched_ref_prefix:
+                s.reasons.append(f"reference prefixes not batched: {shape.ref_prefix_batchable}; one prefix forward "
+                                 "per reference micro-batch")
             if overlapped:
                 s.reasons.append("reference prefix after rollout: the decode window hides only host-bound work "
                                  "(measured on the H200); set ref_prefix_in_window to place it there")

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from torchplex.distributed.fsdp import remember_reshard_after_forward
 from torchplex.distributed.mesh import ParallelDims
+from .. import fusion
 from .model import Qwen2_5_VLModel
 
 # Entry points besides forward() that callers use. FSDP2 only hooks `forward`; registering these makes each
@@ -117,7 +118,7 @@ def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
             if not torch.is_grad_enabled() or not _RECOMPUTE:  # nothing to save (rollout, reference), or told to
                 # keep the whole graph; and checkpoint() is opaque to torch.compile, which decode needs to see through
                 return cls.forward(self, *args, **kwargs)
-            return checkpoint(cls.forward, self, *args, use_reentrant=False, **kwargs)
+            return checkpoint(fusion.under_current_mode(cls.forward), self, *args, use_reentrant=False, **kwargs)
 
         _CHECKPOINTED_CLASSES[cls] = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
     return _CHECKPOINTED_CLASSES[cls]

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
+import os
 import signal
 import threading
 import time
@@ -62,6 +63,21 @@ def check_sglang_available(device: torch.device) -> None:
             f"backend needs its CPU kernels built from source); use rollout.backend = 'native' here")
     if importlib.util.find_spec("sglang") is None:
         raise SGLangUnavailableError(f"rollout.backend = 'sglang' but SGLang is not installed: {INSTALL_HINT}")
+    conflict = allocator_conflict(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    if conflict:
+        raise SGLangUnavailableError(conflict)
+
+
+def allocator_conflict(alloc_conf: str) -> str:
+    """Why SGLang cannot start under this PYTORCH_CUDA_ALLOC_CONF ("" when it can). Its memory saver (what releases
+    the KV cache and weights while the actor trains) refuses expandable segments, and the scheduler process that
+    inherits the variable then dies while loading the model (seen on the H200 with SGLang 0.5.17)."""
+    options = dict(kv.split(":", 1) for kv in alloc_conf.replace(" ", "").split(",") if ":" in kv)
+    if options.get("expandable_segments", "").lower() == "true":
+        return ("rollout.backend = 'sglang' cannot run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: "
+                "SGLang's memory saver (torch_memory_saver) refuses it and its scheduler dies at start-up; unset "
+                "PYTORCH_CUDA_ALLOC_CONF (or drop expandable_segments from it) for this run")
+    return ""
 
 
 def engine_settings(model_path: str, *, tp_size: int, dtype: str, mem_fraction: float, seed: int,
