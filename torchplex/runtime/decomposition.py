@@ -201,17 +201,16 @@ class DecomposedScorer:
 
     def prefix(self, model, prompts):
         """PrefixState of the distinct prompts (right-padded batch), with autograd when grad is enabled; a state
-        held in the store for all of them is used instead of recomputing."""
+        held in the store for all of them is used instead of recomputing (and the batch is None: nothing collated)."""
         state, batch, _ = self._prefix(model, prompts)
         return state, batch
 
     def _prefix(self, model, prompts):
-        """(state, collated batch, whether the state is a slice of a batched graph held in the store)."""
-        device = next(model.parameters()).device
-        batch = collate(model.args, prompts, pad_id=self.pad_id).to(device)
+        """(state, collated batch (None when the store held a state: nothing collated, whose pixels would be copied
+        and uploaded for nothing), whether the state is a slice of a batched graph held in the store)."""
         held = self.store.take(model, prompts)
         if held is not None:
-            return merge_prefix_states(held[0]), batch, held[1]
+            return merge_prefix_states(held[0]), None, held[1]
         some = self.store.take_some(model, prompts)
         if some is not None:  # a micro-batch of fused and unfused prompts (the budget fused only some): compute the
             # rest; merged with batched slices, its prefix backward waits for finish_backward with theirs
@@ -219,7 +218,9 @@ class DecomposedScorer:
             rest = [p for p, st in zip(prompts, states) if st is None]
             computed = self._prefix(model, rest)[0]
             parts = iter([prompt_part(computed, b, len(p.input_ids)) for b, p in enumerate(rest)])
-            return merge_prefix_states([st if st is not None else next(parts) for st in states]), batch, batched
+            return merge_prefix_states([st if st is not None else next(parts) for st in states]), None, batched
+        device = next(model.parameters()).device
+        batch = collate(model.args, prompts, pad_id=self.pad_id).to(device)
         graphs = self.prefix_graphs.get(id(model))
         if graphs is not None and not torch.is_grad_enabled():
             states = []
