@@ -13,8 +13,9 @@
 #   run(command="bash benchmarks/sglang_gpu.sh check")   # SGLang and the transformers it needs import
 #   run(command="bash benchmarks/sglang_gpu.sh train")   # GRPO steps, both backends -> $OUT/sglang-*-train.json
 #   run(command="bash benchmarks/sglang_gpu.sh step")    # img-small + img P=8, both backends -> $OUT/sglang-*-step.json
-#   run(command="RUN_S=260 bash benchmarks/sglang_gpu.sh overlap")  # prefix work beside SGLang's decode, without and
-#                                                        # with MPS -> $OUT/sglang-*-overlap.json, -overlap-mps.json
+#   run(command="RUN_S=400 bash benchmarks/sglang_gpu.sh overlap plain")  # prefix work beside SGLang's decode,
+#   run(command="RUN_S=400 bash benchmarks/sglang_gpu.sh overlap mps")    # without / with MPS, one call each
+#                                                        # -> $OUT/sglang-*-overlap.json, -overlap-mps.json
 # and commit the JSON files that come back under benchmarks/results/.
 # SGLang 0.5.17 imports only with transformers 5.12.1 / tokenizers 0.22.2 (in .sgl2): /tmp/site goes first on
 # PYTHONPATH, ahead of the image's 5.17.
@@ -65,21 +66,28 @@ print('sglang', sglang.__version__, 'transformers', transformers.__version__, 't
     bounded "$RUN_S" python benchmarks/sglang_bench.py --suite step --ckpt "${CKPT:-/tmp/tiny}" --timeout-s "$SGL_TIMEOUT_S" \
       --workloads img-small,img --out "$OUT/sglang-$stamp-step.json" ;;
   overlap)
-    # The trainer's prefix work beside SGLang's decode (benchmarks/probes/sglang_overlap.py), first without, then with
-    # an NVIDIA MPS daemon of our own: its pipe and log folders under /tmp, quit when this command ends; the GPU's
-    # compute mode and settings are left as they are. CKPT=/tmp/tiny for a quick check of the plumbing.
+    # The trainer's prefix work beside SGLang's decode (benchmarks/probes/sglang_overlap.py): `overlap plain`
+    # without MPS, `overlap mps` with an NVIDIA MPS daemon of our own (its pipe and log folders under /tmp, quit
+    # when this command ends; the GPU's compute mode and settings are left as they are), `overlap` (both) one after
+    # the other. Each probe takes ~210-280 s at 7B (SGLang's start, warm-ups, two repeats): one per device call
+    # leaves it room. CKPT=/tmp/tiny for a quick check of the plumbing.
+    which=${2:-both}
     ckpt=${CKPT:-/tmp/ckpt7b}
     if [ "$ckpt" = /tmp/ckpt7b ]; then ckpt7b; else tiny; fi
     probe() { bounded "$RUN_S" python benchmarks/probes/sglang_overlap.py --ckpt "$ckpt" --timeout-s "$SGL_TIMEOUT_S" \
       --watchdog-s "$RUN_S" "$@"; }
     status=0
-    probe --out "$OUT/sglang-$stamp-overlap.json" || status=$?  # the MPS run goes ahead either way
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d
-    trap 'echo quit | nvidia-cuda-mps-control' EXIT
-    probe --mps --out "$OUT/sglang-$stamp-overlap-mps.json" || status=$?
+    if [ "$which" = plain ] || [ "$which" = both ]; then
+      probe --out "$OUT/sglang-$stamp-overlap.json" || status=$?  # the MPS run goes ahead either way
+    fi
+    if [ "$which" = mps ] || [ "$which" = both ]; then
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      nvidia-cuda-mps-control -d
+      trap 'echo quit | nvidia-cuda-mps-control' EXIT
+      probe --mps --out "$OUT/sglang-$stamp-overlap-mps.json" || status=$?
+    fi
     exit "$status" ;;
   *)
-    echo "usage: $0 install N | check | train | step | overlap" >&2; exit 2 ;;
+    echo "usage: $0 install N | check | train | step | overlap [plain|mps|both]" >&2; exit 2 ;;
 esac
