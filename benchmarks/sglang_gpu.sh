@@ -75,7 +75,7 @@ print('sglang', sglang.__version__, 'transformers', transformers.__version__, 't
     ckpt=${CKPT:-/tmp/ckpt7b}
     if [ "$ckpt" = /tmp/ckpt7b ]; then ckpt7b; else tiny; fi
     probe() { bounded "$RUN_S" python benchmarks/probes/sglang_overlap.py --ckpt "$ckpt" --timeout-s "$SGL_TIMEOUT_S" \
-      --watchdog-s "$RUN_S" "$@"; }
+      --watchdog-s "$RUN_S" ${PROBE_ARGS:-} "$@"; }  # PROBE_ARGS: e.g. "--repeats 1"
     status=0
     if [ "$which" = plain ] || [ "$which" = both ]; then
       probe --out "$OUT/sglang-$stamp-overlap.json" || status=$?  # the MPS run goes ahead either way
