@@ -187,6 +187,9 @@ def test_capabilities_keep_fusion_and_window_work_off_and_the_schedule_says_why(
     assert not s.has("actor_prefix") and not any(p.in_window for p in s.phases)
     assert any("not fused" in r and "sglang" in r for r in s.reasons)
     assert any("not in the decode window" in r and "sglang" in r for r in s.reasons)
+    # the measured reason (benchmarks/results/sglang-20261202-overlap*.json), with and without MPS
+    window = next(r for r in s.reasons if "not in the decode window" in r)
+    assert "1.03x without MPS" in window and "1.12x with an MPS daemon" in window
 
 
 # ---- the engine on the fake ---------------------------------------------------------------------------------------

@@ -10,7 +10,12 @@ trainable ones (a frozen vision tower is not sent again).
 Capabilities (declared, the planner reads them): the model runs in SGLang's scheduler process, so there is no
 prefill hook (no fused actor prefix), no per-decode-step hook, and finished samples are not streamed back (one
 `async_generate` call per sample, all awaited together; handing finished ones on early is future work). The trainer's
-prefix and reference work therefore run after rollout, and the schedule says why.
+prefix and reference work therefore run after rollout, and the schedule says why. Running such work beside SGLang's
+decode anyway (from a second host thread of this process, as the decode window does) was measured on the H200
+(benchmarks/probes/sglang_overlap.py, 7B, 8 prompts x 8): without MPS the two processes time-slice the GPU (gain
+1.03x: the prefix work ran 1.8x slower and added 84 % of its own time to the rollout); with an MPS daemon, 1.12x
+(1.2x slower, 64 %). Hiding at most a third of work that is a few per cent of the rollout does not pay for holding
+its results through the rollout, so no capability for it is declared.
 
 rollout_tp > 1: the engine runs on the first rank of the actor's TP group (SGLang's own TP over the group's
 GPUs); every rank joins the `full_tensor` gathers, the first one pushes and samples, and the outputs are
@@ -149,7 +154,9 @@ class SGLangRolloutEngine:
     capabilities = RolloutCapabilities(
         prefill_hook=False, samples_finished_hook=False, step_hook=False, shares_actor_weights=False,
         why_not="rollout.backend = sglang: the model runs in SGLang's scheduler process, which takes no prefill "
-                "or decode-step hook, and finished samples are not streamed back")
+                "or decode-step hook, and finished samples are not streamed back; prefix work run beside its decode "
+                "from a thread of ours gained 1.03x without MPS and 1.12x with an MPS daemon (H200, 7B: "
+                "docs/sglang.md), too little to hold prefixes through the rollout for")
 
     def __init__(self, actor, model_path: str, *, tp_size: int = 1, group=None, dtype: str = "bfloat16",
                  mem_fraction: float = 0.2, timeout_s: float = 600.0, bucket_bytes: int = 512 << 20, seed: int = 0,
