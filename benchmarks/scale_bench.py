@@ -174,8 +174,12 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
         step_s = time.perf_counter() - t
         print(f"[scale_bench {time.strftime('%H:%M:%S')}] {a.workload} P={P} {mode} {'timed' if rep else 'warm-up'} "
               f"step {step_s:.2f}s " + " ".join(f"{k} {out.timeline.total_s(k):.2f}s" for k in STAGES), flush=True)
-        peak_bytes = max(peak_bytes, max(timer.peak_bytes.values(), default=0))
+        step_peak = max(timer.peak_bytes.values(), default=0)
+        peak_bytes = max(peak_bytes, step_peak)
+        if not rep and a.repeats:
+            row["peak_warm_up_gib"] = step_peak / 2**30  # planned from estimates: the rates are measured in it
         if rep or not a.repeats:
+            row["peak_timed_gib"] = max(row.get("peak_timed_gib", 0.0), step_peak / 2**30)
             steps.append(step_s)
             prefill.append(engine.stats.prefill_s - prefill_before)
             for k in STAGES:

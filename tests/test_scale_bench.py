@@ -20,6 +20,8 @@ def test_scale_bench_runs_a_list_of_p_and_modes_and_keeps_going_after_a_failure(
         assert r["ok"] and r["step_s"] > 0 and r["samples"] == 2 * r["prompts"] and r["tokens"] > 0
         for key in ("workload", "geometry", "group", "phases_s", "peak_gib", "error"):
             assert key in r
+        # the row's peak is its steps' highest, the warm-up step's kept apart (planned from estimates)
+        assert r["peak_gib"] == max(r.get("peak_warm_up_gib", 0.0), r["peak_timed_gib"])
         planned, measured = r["memory"]["planned"], r["memory"]["measured"]
         assert planned["residents"]["rollout"]["kv_pool"] == measured["kv_pool_bytes"] > 0  # the budget-sized pool
         assert planned["residents"]["rollout"]["actor_weights"] == measured["actor_weights_bytes"]
