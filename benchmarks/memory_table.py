@@ -29,17 +29,21 @@ def tables(files: list[str]) -> str:
         plan, meas = r["memory"]["planned"], r["memory"]["measured"]
         res = plan["residents"]
         train, roll = res.get("train", {}), res.get("rollout", {})
-        held_plan = plan.get("held_graph_bytes", 0)
+        held_plan = plan.get("held_graph_bytes", 0)  # from the rollout to training
+        train_held = plan.get("train_held_bytes", 0)  # within training (decomposed's batched actor prefix)
         held = meas.get("held_graph_bytes", 0) + meas.get("held_compact_bytes", 0)
-        forms = ", ".join(f"{k} {v}" for k, v in plan.get("forms", {}).items())
+        forms = ", ".join([f"{k} {v}" for k, v in plan.get("forms", {}).items()]
+                          + [f"in training: {k} {v}" for k, v in plan.get("train_forms", {}).items()])
         peaks = meas.get("stage_peak_bytes", {})
         out.append(
             f"| {r['workload']} | {r['prompts']} | {r['mode']} | {forms} | "
             f"{gib(train.get('actor_weights', 0))} + {gib(train.get('ref_weights', 0))} | "
             f"{gib(train.get('optimizer_state', 0))} | {gib(train.get('grads', 0))} | "
-            f"{gib(roll.get('kv_pool', 0))} / {gib(meas.get('kv_pool_bytes', 0))} | {gib(held_plan)} / {gib(held)} | "
+            f"{gib(roll.get('kv_pool', 0))} / {gib(meas.get('kv_pool_bytes', 0))} | {gib(held_plan + train_held)} / "
+            f"{gib(held)} | "
             f"{gib(train.get('activations', 0))} | {gib(sum(roll.values()) + held_plan)} / "
-            f"{gib(peaks.get('rollout', 0))} | {gib(sum(train.values()) + held_plan)} / {gib(peaks.get('train', 0))} | "
+            f"{gib(peaks.get('rollout', 0))} | {gib(sum(train.values()) + held_plan + train_held)} / "
+            f"{gib(peaks.get('train', 0))} | "
             f"{r['peak_gib']:.1f} |")
     return "\n".join(out) + "\n\nAll in GiB. Planned: the step's memory budget (`Schedule.memory`); measured: the " \
         "tensors the step held and each stage's allocator peak.\n"

@@ -91,6 +91,7 @@ def memory_record(out, runner, engine, phase_timer: PhaseTimer) -> dict:
                         "held_graph_bytes": sum(c.bytes for c in s.prefix_forms),
                         "forms": {f: forms.count(f) for f in sorted(set(forms))},
                         "train_room_bytes": s.memory.get("train_room_bytes", 0),
+                        "train_held_bytes": sum(c.bytes for c in s.train_prefix_forms),
                         "train_forms": {f: [c.form for c in s.train_prefix_forms].count(f)
                                         for f in sorted({c.form for c in s.train_prefix_forms})}},
             "measured": {"actor_weights_bytes": tensor_bytes(runner.actor.parameters()),

@@ -149,3 +149,20 @@ def test_warmup_modes_warms_every_mode_at_the_first_p_only(tmp_path):
     assert [(r["prompts"], r["mode"], r["ok"], r["warm_up_step"]) for r in result["rows"]] == [
         (1, "overlapped", True, True), (1, "decomposed", True, True), (2, "overlapped", True, False),
         (2, "decomposed", True, False)]
+
+
+def test_batched_actor_prefix_rows_record_and_tabulate_what_training_held(tmp_path):
+    """decomposed-batched: the prefixes held within training are planned (their forms and bytes) and measured, and the
+    memory table counts them in the train stage's plan (they are not held from the rollout)."""
+    out = tmp_path / "b.json"
+    result = scale_bench.main(["--geometry", "debug", "--dtype", "float32", "--prompt-tokens", "32", "--response", "4",
+                               "--group", "2", "--micro-batch", "2", "--repeats", "0", "--prompts", "2",
+                               "--modes", "decomposed-batched", "--out", str(out), "--plot", str(tmp_path / "b.png")])
+    [row] = result["rows"]
+    planned, measured = row["memory"]["planned"], row["memory"]["measured"]
+    assert row["ok"] and planned["forms"] == {"none": 2} and sum(planned["train_forms"].values()) == 2
+    assert planned["held_graph_bytes"] == 0 < planned["train_held_bytes"]
+    assert measured["held_graph_bytes"] + measured["held_compact_bytes"] > 0
+    from benchmarks.memory_table import tables
+    line = tables([str(out)]).splitlines()[2]
+    assert "in training: " in line and f"| {planned['train_held_bytes'] / 2**30:.1f} / " in line
