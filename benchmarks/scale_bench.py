@@ -148,7 +148,7 @@ class ProfilingTimer(PhaseTimer):
     def phase(self, name):
         with super().phase(name):
             if str(name) in self.stages:
-                with profiled(self.device, self.profiles.setdefault(str(name), {})):
+                with profiled(self.device, self.profiles.setdefault(str(name), {}), cpu=False):
                     yield
             else:
                 yield
@@ -203,7 +203,7 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
 def profile_row(row: dict, P: int, runner, engine, prompts, params, device) -> None:
     """One more step of this row under torch.profiler: kernel time by category per phase, in row["profile"]."""
     ptimer, prefill_profile = ProfilingTimer(device), {}
-    with profiled(device, prefill_profile):
+    with profiled(device, prefill_profile, cpu=False):
         run_prefill(engine, prompts)  # the engine's prefill batches, alone
     runner.run(prompts, [""] * P, params, phase_timer=ptimer)
     row["profile"] = {"prefill": prefill_profile, **ptimer.profiles}
