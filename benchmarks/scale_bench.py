@@ -179,6 +179,7 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
         peak_bytes = max(peak_bytes, step_peak)
         if not rep and a.repeats:
             row["peak_warm_up_gib"] = step_peak / 2**30  # planned from estimates: the rates are measured in it
+            row["peak_warm_up_stage_gib"] = {str(k): v / 2**30 for k, v in timer.peak_bytes.items()}
         if rep or not a.repeats:
             row["peak_timed_gib"] = max(row.get("peak_timed_gib", 0.0), step_peak / 2**30)
             steps.append(step_s)
