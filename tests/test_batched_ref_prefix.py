@@ -94,3 +94,11 @@ def test_hold_prefixes_splits_a_group_by_tokens_and_holds_the_same_states(setup)
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     finally:
         del reference.prefix_forward
+
+
+def test_the_config_key_reaches_the_plan():
+    from torchplex.config import load_config
+    from torchplex.runtime.build import plan_options
+
+    assert plan_options(load_config([])).batched_ref_prefix is True  # on by default
+    assert plan_options(load_config(["--runtime.batched_ref_prefix", "false"])).batched_ref_prefix is False

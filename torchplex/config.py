@@ -222,6 +222,9 @@ class RuntimeConfig:
     # decomposed: the step's actor prefixes in one batched forward at the start of training, held for the first
     # epoch's micro-batches as the train stage's memory allows, their backward one batched pass (planner.PlanOptions)
     batched_actor_prefix: bool = False
+    # decomposed/overlapped: every prompt's reference prefix in batched no-grad forwards at the start of the ref stage,
+    # their K/V held for the reference micro-batches' suffixes (planner.PlanOptions)
+    batched_ref_prefix: bool = True
     # overlapped: the reference prefixes, and the reference log-probs of each sample as soon as it has finished,
     # computed in the rollout decode window on a second host thread (runtime/window.py); equal up to rounding
     reference_in_window: bool = False

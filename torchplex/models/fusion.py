@@ -9,7 +9,8 @@ host cost (guard checks, the AOT runtime wrapper, its autograd node: ~2 s of GPU
 at 7B, measured) exceeded the kernels it saved, because the training phase is bound by the host's launch rate at
 micro-batch 8. A batched forward with grad over many prompts (`batched_forward`: the fused prefill, the batched
 actor prefix) runs them compiled again: its calls are large enough (tens of thousands of tokens). The same math
-either way, so the fp32 CPU tests that compare against transformers and the serial step hold; on a GPU the rounding may differ in the last bits (a reduction summed in another order).
+either way, so the fp32 CPU tests that compare against transformers and the serial step hold; on a GPU the
+rounding may differ in the last bits (a reduction summed in another order).
 
 Odd widths: the vision tower's MLP is 3420 wide, which no 16-byte-aligned GEMM kernel takes, so cuBLAS falls back
 to Ampere-era align-2 kernels (~40 % of the rollout prefill's GEMM time at P = 8). With fusion on, a gated MLP whose
@@ -22,9 +23,10 @@ Off by default: `enable(True)` from the trainer and the benchmarks on CUDA (`mod
 process-wide switch rather than a module attribute: every mode (the serial baseline included) runs the same
 kernels for the same grad mode, and torch.compile guards on a module-global bool (one graph per value). Within a
 step the kernels do differ by grad mode: the reference and the rollout prefill (no grad) and the batched prefix
-forwards run the compiled chains, the actor's training micro-batches the eager ones, and in bf16 the two round differently (one rounding for a fused chain,
-one per op eager; on CPU ~30 % of the rotary's and RMSNorm's outputs differ in the last bit). So with fusion on,
-the KL to a reference at the actor's own weights is small but not exactly zero.
+forwards run the compiled chains, the actor's training micro-batches the eager ones, and in bf16 the two round
+differently (one rounding for a fused chain, one per op eager; on CPU ~30 % of the rotary's and RMSNorm's
+outputs differ in the last bit). So with fusion on, the KL to a reference at the actor's own weights is small but
+not exactly zero.
 """
 
 from __future__ import annotations

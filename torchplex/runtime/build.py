@@ -26,6 +26,7 @@ def policy_loss_config(cfg: Config) -> PolicyLossConfig:
 def plan_options(cfg: Config) -> PlanOptions:
     r = cfg.runtime
     return PlanOptions(mode=r.mode, ref_prefix_graphs=r.ref_prefix_graphs, batched_actor_prefix=r.batched_actor_prefix,
+                       batched_ref_prefix=r.batched_ref_prefix,
                        ref_prefix_in_window=r.reference_in_window, ref_suffix_in_window=r.reference_in_window,
                        window_sample_batch=r.window_sample_batch, memory_budget_bytes=int(cfg.memory.budget_gib * 2**30))
 

@@ -201,7 +201,8 @@ class DecomposedScorer:
 
     def prefix(self, model, prompts):
         """PrefixState of the distinct prompts (right-padded batch), with autograd when grad is enabled; a state
-        held in the store for all of them is used instead of recomputing (and the batch is None: nothing collated)."""
+        held in the store for all of them is used instead of recomputing (and the batch is None: nothing
+        collated)."""
         state, batch, _ = self._prefix(model, prompts)
         return state, batch
 
