@@ -2,6 +2,9 @@
 (P, mode), the memory plan against what each step held, a failed row that does not stop the run, and the plot."""
 
 import json
+from pathlib import Path
+
+import pytest
 
 from benchmarks import scale_bench
 
@@ -166,3 +169,21 @@ def test_batched_actor_prefix_rows_record_and_tabulate_what_training_held(tmp_pa
     from benchmarks.memory_table import tables
     line = tables([str(out)]).splitlines()[2]
     assert "in training: " in line and f"| {planned['train_held_bytes'] / 2**30:.1f} / " in line
+
+
+@pytest.mark.parametrize("step", ["img-8-64", "vid-4", "vid-16", "img-32", "profile-32"])
+def test_each_gpu_step_of_scale_gpu_sh_is_a_command_scale_bench_accepts(step, tmp_path):
+    """benchmarks/scale_gpu.sh runs on the H200 only, where a typo costs a device call: its steps (printed with
+    DRY=1) parse as scale_bench arguments, each under the device call's 10-minute limit."""
+    import os
+    import shlex
+    import subprocess
+
+    env = {**os.environ, "DRY": "1", "OUT": str(tmp_path)}
+    printed = subprocess.run(["bash", "benchmarks/scale_gpu.sh", step], capture_output=True, text=True, env=env,
+                             check=True, cwd=Path(scale_bench.__file__).parents[1]).stdout
+    words = shlex.split(printed)
+    assert words[:4] == ["timeout", "-k", "10", "585"] and int(words[3]) < 600
+    a = scale_bench.parse(words[words.index("benchmarks/scale_bench.py") + 1:])
+    assert a.watchdog_s < int(words[3]) and a.repeats == 1 and a.activation_checkpointing
+    assert a.workload in ("img", "vid") and a.out.startswith(str(tmp_path))
