@@ -36,7 +36,8 @@ def step_settings(cfg: Config) -> StepSettings:
     return StepSettings(reward_names=list(cfg.reward.functions), reward_weights=list(cfg.reward.weights),
                         advantage=a.advantage, dynamic_sampling=a.dynamic_sampling,
                         temperature=cfg.rollout.temperature, micro_batch_size=a.micro_batch_size,
-                        ref_micro_batch_size=a.ref_micro_batch_size, ppo_epochs=a.ppo_epochs, grad_clip=cfg.optimizer.grad_clip, loss=policy_loss_config(cfg),
+                        ref_micro_batch_size=a.ref_micro_batch_size, ppo_epochs=a.ppo_epochs,
+                        grad_clip=cfg.optimizer.grad_clip, loss=policy_loss_config(cfg),
                         plan=plan_options(cfg), checkpoint_prefix=cfg.runtime.checkpoint_prefix,
                         packed_scoring=cfg.runtime.packed_scoring,
                         kv_pool_from_budget=cfg.rollout.kv_pool_gib == 0, recompute=cfg.memory.recompute)

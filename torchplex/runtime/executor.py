@@ -32,7 +32,7 @@ from .memory_budget import (HEADROOM, NONE, MemoryBudget, agree_on_held_form, ag
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
 from .overlap import DecodeWindowJobs, PrefixStore, fused_prefill, hold_prefixes, length_groups, rollout_prefill
 from .phases import Stage
-from .planner import PlanOptions, Schedule, StepShape, plan_step
+from .planner import PlanOptions, Schedule, StepShape, holds_every_ref_prefix, plan_step
 from .prefix_graphs import PrefixGraphs
 from .scoring import SerialScorer
 from .timeline import Timeline
@@ -295,12 +295,7 @@ class StepRunner:
         else:  # the part of a pool sized past what the memory plan was built with (kv_pool_gib 0)
             planned_pool = sum(g.nbytes for g in self.memory.plan.groups if g.name == "kv_pool")
             residents["rollout"]["kv_pool"] = max(0, pool - planned_pool)
-        plan = self.settings.plan
-        if plan.mode != "serial" and self.reference is not None and (
-                plan.ref_prefix_in_window or plan.ref_suffix_in_window
-                or (plan.batched_ref_prefix and shape.ref_prefix_batchable == "")):
-            # every prompt's reference prefix K/V at once in the ref stage (batched ahead of the suffixes, or held
-            # from the decode window): the REF_PREFIX phase's bytes
+        if holds_every_ref_prefix(shape, self.settings.plan):  # the REF_PREFIX phase's bytes
             residents["ref"]["ref_prefix_kv"] = shape.kv_bytes_per_token * shape.prefix_tokens
         return budget
 

@@ -276,14 +276,6 @@ def hold_prefixes(scorer, model, prompts: Sequence, store: PrefixStore, max_toke
     return forwards
 
 
-def hold_prefix(scorer, model, prompt, store: PrefixStore) -> None:
-    """One prompt's no-grad prefix of `model` (the reference), computed ahead of its scoring and held."""
-    with torch.no_grad():
-        state = scorer.prefix(model, [prompt])[0]
-    store.put(model, prompt, state)
-    scorer.counts.add(TokenCounts(prefix_tokens=len(prompt.input_ids)))
-
-
 def rollout_prefill(schedule: Schedule, scorer, actor, store: PrefixStore, prompts: Sequence):
     """The prefill the schedule gives the engine: fused (autograd kept, held for training) where the actor prefix
     is placed in the rollout (for the prompts the schedule fuses), else the scorer's no-grad prefill (the frozen
@@ -360,7 +352,7 @@ class DecodeWindowJobs:
     # ---- jobs, run by the window (its thread and side stream) ----------------------------------------------
     def _hold_prefix(self, prompt) -> None:
         with self.timeline.span(PhaseName.REF_PREFIX, lane="window"):
-            hold_prefix(self.scorer, self.reference, prompt, self.store)
+            hold_prefixes(self.scorer, self.reference, [prompt], self.store)
 
     def _score_samples(self, i: int, outputs) -> None:
         """Reference log-probs of samples of prompt i that just finished, on its prefix held in the store (kept

@@ -183,6 +183,21 @@ class Schedule:
                           indent=2)
 
 
+def batches_ref_prefix(shape: StepShape, options: PlanOptions) -> bool:
+    """Whether a ref stage of its own (no decode window) runs every reference prefix batched ahead of the suffixes:
+    `batched_ref_prefix`, where the runner allows it (`StepShape.ref_prefix_batchable`)."""
+    return (options.mode != "serial" and shape.has_reference and options.batched_ref_prefix
+            and shape.ref_prefix_batchable == "")
+
+
+def holds_every_ref_prefix(shape: StepShape, options: PlanOptions) -> bool:
+    """Whether the ref stage holds every prompt's reference prefix K/V at once, batched ahead of the suffixes or
+    held from the decode window: the memory budget counts those bytes in the ref stage."""
+    window = options.mode != "serial" and shape.has_reference and (options.ref_prefix_in_window
+                                                                     or options.ref_suffix_in_window)
+    return window or batches_ref_prefix(shape, options)
+
+
 def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabilities = RolloutCapabilities()
               ) -> Schedule:
     """The step's schedule; `rollout` is what the engine supports (fusion and window work only where it can)."""
@@ -258,7 +273,7 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
             s.reasons.append("reference prefix K/V computed in the rollout decode window (second host thread, side "
                              "stream): its host-bound launches run beside the decode loop's")
         else:
-            batch_ref = options.batched_ref_prefix and shape.ref_prefix_batchable == ""
+            batch_ref = batches_ref_prefix(shape, options)
             s.phases.append(Phase(PhaseName.REF_PREFIX, depends_on=("rollout",), holds_bytes=ref_kv, tokens=P,
                                   note="batched: one forward per group of similar lengths" if batch_ref else ""))
             s.ref_prefix_batched = batch_ref
