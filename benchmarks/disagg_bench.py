@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.step_bench import NullTokenizer, bench_flavor, build, make_prompt, sync  # noqa: E402
 from torchplex.components.optim import build_optimizer  # noqa: E402
-from torchplex.distributed.mesh import build_parallel_dims, init_distributed  # noqa: E402
+from torchplex.distributed.mesh import build_parallel_dims, finish_distributed, init_distributed  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
 from torchplex.rollout.sampling import SamplingParams, sample_seeds as seeds_of  # noqa: E402
@@ -371,7 +371,7 @@ def main(argv=None):
             if a.out:
                 Path(a.out).write_text(json.dumps(record, indent=2))
             log(f"after {layout}:\n" + json.dumps({k: v for k, v in record.items() if k != "info"}, indent=2))
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 if __name__ == "__main__":

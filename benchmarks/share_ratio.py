@@ -70,7 +70,7 @@ def table(flavors: list[str], pairs: list[tuple[int, int]], dtype: torch.dtype) 
 
 
 def live(args: argparse.Namespace) -> None:
-    from torchplex.distributed.mesh import build_parallel_dims, default_device, destroy_distributed, init_distributed
+    from torchplex.distributed.mesh import build_parallel_dims, default_device, finish_distributed, init_distributed
     from torchplex.models.qwen2_5_vl.build import build_model
     from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
 
@@ -91,7 +91,7 @@ def live(args: argparse.Namespace) -> None:
         print(sharer.report().summary())
         print(f"resync median {1e3 * statistics.median(seconds):.2f} ms over {args.repeats} "
               f"(of which FSDP2 regather {1e3 * statistics.median(unshard):.2f} ms)")
-    destroy_distributed()
+    finish_distributed()
 
 
 def main() -> None:

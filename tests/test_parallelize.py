@@ -9,6 +9,7 @@ RTOL relative to the tensor's largest magnitude.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -408,6 +409,33 @@ def test_init_distributed_outside_torchrun_is_one_process(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert init_distributed() == (0, 1, torch.device("cpu"))
     assert not dist.is_initialized()
+
+
+class Exited(Exception):
+    pass
+
+
+def test_finish_distributed_on_gloo_destroys_the_group_then_exits_zero(monkeypatch, tmp_path):
+    """A finished gloo job leaves by os._exit(0) after destroying its group and flushing its logs (finalisation
+    can abort it in gloo's threads); without a group nothing exits."""
+    import logging
+
+    from torchplex.distributed import mesh
+
+    calls = []
+    monkeypatch.setattr(logging, "shutdown", lambda: calls.append(("logs flushed", dist.is_initialized())))
+
+    def fake_exit(code):
+        calls.append(("exit", code, dist.is_initialized()))
+        raise Exited
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    mesh.finish_distributed()  # no group: returns
+    assert calls == []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    with pytest.raises(Exited):
+        mesh.finish_distributed()
+    assert calls == [("logs flushed", False), ("exit", 0, False)]
 
 
 def test_parallel_dims_validate_degrees():

@@ -39,7 +39,7 @@ from .data.sources import BadRecords, ColumnKeys, load_records, set_name
 from .data.synthetic import generate_synthetic_task
 from .data.synthetic_video import generate_video_task
 from .data.video import VideoBudget
-from .distributed.mesh import build_parallel_dims, destroy_distributed, init_distributed
+from .distributed.mesh import build_parallel_dims, destroy_distributed, finish_distributed, init_distributed
 from .models import fusion
 from .models.qwen2_5_vl.build import build_model
 from .distributed.fsdp import reshard
@@ -559,10 +559,11 @@ USER_ERRORS = (ConfigError, RunFolderError, DataError, FileNotFoundError)
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging(int(os.environ.get("RANK", "0")))
+    finished = False
     try:
         cfg = load_config(argv)
-        trainer = Trainer(cfg)
-        trainer.train()
+        Trainer(cfg).train()
+        finished = True
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -570,7 +571,9 @@ def main(argv: list[str] | None = None) -> None:
         print("\ninterrupted", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     finally:
-        destroy_distributed()
+        if not finished:
+            destroy_distributed()
+    finish_distributed()
 
 
 if __name__ == "__main__":
