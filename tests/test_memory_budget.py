@@ -3,18 +3,26 @@ the mixed plan with the serial step's numbers, the KV pool is sized from the sam
 fit fails before it runs, naming the config keys."""
 
 import dataclasses
+import gc
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
+from torchplex.runtime.decomposition import DecomposedScorer
 from torchplex.runtime.memory_budget import (COMPACT, FIT_KEYS, GRAPH, HEADROOM, NONE, BatchTooLargeError, MemoryBudget,
                                              kv_pool_bytes, step_residents)
+from torchplex.runtime.overlap import fused_prefill
 from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
 
 from step_runners import cpu_runner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from train_memory_probe import LiveBytes  # noqa: E402
 
 RTOL = 1e-5
 SHAPE = StepShape(prompt_lengths=(100, 60, 100), group_size=4, max_new_tokens=8, kv_bytes_per_token=1000,
@@ -199,6 +207,29 @@ def test_each_holding_form_gives_the_serial_step(setup, serial, holding):
         graph, graph_tokens = step(whole, setup).prefixes.graph_bytes[id(whole.actor)]
         print(f"held per prompt token: compact {nbytes / tokens:.0f} B, whole graph {graph / graph_tokens:.0f} B")
         assert 0 < nbytes / tokens < 0.5 * graph / graph_tokens
+
+
+@pytest.mark.parametrize("form", [COMPACT, GRAPH])
+def test_held_prefix_bytes_are_what_the_held_prefixes_keep_alive(setup, form):
+    """What a fused prefill reports holding (the rate the planner plans every later step with) is what its held
+    prefixes keep alive, counted independently: the live tensor bytes left once the prefill's output is gone, less
+    those an unfused prefill leaves (within 3 %). Counted each kept block input twice (checkpointing saves it
+    through SavedBytes too) the compact form read +9 % here (2x at 7B), and without the K/V -17 %."""
+    prompts, actor = setup[1], setup[2]
+    left, reported = {}, {}
+    for f in (NONE, form):
+        scorer = DecomposedScorer()
+        gc.collect()
+        with LiveBytes() as live:
+            fused_prefill(scorer, actor, scorer.store, {id(p): f for p in prompts})(prompts)
+            gc.collect()
+            left[f] = live.live
+        counts = scorer.store.compact_bytes if f == COMPACT else scorer.store.graph_bytes
+        reported[f] = counts.get(id(actor), (0, 0))[0]
+        del scorer
+    held = left[form] - left[NONE]
+    assert reported[NONE] == 0 and held > 0
+    assert reported[form] == pytest.approx(held, rel=0.03), (reported[form], held)
 
 
 def test_step_that_cannot_fit_fails_before_it_runs(setup):

@@ -200,9 +200,11 @@ class StepRunner:
 
     def _compact_estimate(self) -> float:
         """Bytes per prompt token the compact form holds, before it was measured: the hidden state entering each
-        decoder layer, and (trainable tower) each vision block's input for the 4 patches a merged token has."""
+        decoder layer and its K/V, and (trainable tower) each vision block's input for the 4 patches a merged
+        token has."""
         args, size = self.actor.args, self.actor.output_weight.element_size()
-        text = args.text.hidden_size * args.text.num_layers * size
+        t = args.text
+        text = (t.hidden_size + 2 * t.num_kv_heads * t.head_dim) * t.num_layers * size
         v = args.vision
         vision = v.hidden_size * v.depth * v.spatial_merge_size ** 2 * size if self._vision_trainable() else 0
         return text + vision

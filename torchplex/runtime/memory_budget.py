@@ -11,10 +11,11 @@ from what is left, how each prompt's actor prefix may be held from the rollout t
 
 Holding forms, chosen per prompt in admission order (`choose_prefix_forms`):
     graph       the whole autograd graph of the fused prefill (bytes per token: overlap.SavedBytes, measured on the
-                first fused step; 8x the K/V until then), for as many prompts as fit in the room
+                first fused step; executor's _graph_estimate until then), for as many prompts as fit in the room
     compact     the fused prefill under per-layer checkpointing (overlap.CompactPrefix): what it holds is each decoder
-                layer's (and trainable vision block's) input, the layer-boundary hidden states, beside the prefix
-                K/V the store holds anyway; the backward recomputes layer by layer
+                layer's (and trainable vision block's) input, the layer-boundary hidden states, and the prefix K/V
+                with their graph (both forms count every storage the held prefix keeps alive once: SavedBytes);
+                the backward recomputes layer by layer
     none        not fused: the prompt's actor prefix is computed in training, as in decomposed mode
 As many prompts get the whole graph as can while every other fused prompt still fits as compact; then as many
 compact as fit; the rest none.

@@ -51,8 +51,8 @@ class PrefixStore:
         self.served = 0  # takes that found their prefixes held (tests and metrics)
         self._kv_bytes: dict[int, int] = {}       # id(model) -> K/V bytes held now
         self.peak_kv_bytes: dict[int, int] = {}   # id(model) -> the most K/V bytes held at once (checked vs plan)
-        # id(model) -> (bytes the fused prefills' autograd graphs saved, their prompt tokens): what fusion holds
-        # from rollout to training besides the K/V
+        # id(model) -> (bytes the fused prefills' held prefixes keep alive, their prompt tokens): what fusion holds
+        # from rollout to training, the autograd graph and the K/V, each storage once (SavedBytes)
         self.graph_bytes: dict[int, tuple[int, int]] = {}
         self.compact_bytes: dict[int, tuple[int, int]] = {}  # likewise for the compact form (CompactPrefix)
 
@@ -139,12 +139,16 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
         self.nbytes = 0
         super().__init__(self._pack, lambda t: t)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def count(self, t: torch.Tensor) -> None:
+        """Add t's storage, once: a tensor kept for backward by other means (CompactPrefix's block inputs) too."""
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key not in self._seen and key not in self._params:
             self._seen.add(key)
             self.nbytes += storage.nbytes()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.count(t)
         return t.detach()  # what autograd keeps: the tensor itself would tie a saved output to its own grad_fn
 
 
@@ -170,19 +174,18 @@ class CompactPrefix:
     """While active, the model's decoder layers and vision blocks keep only their inputs for backward, which
     recomputes each from it (PrefixAttention records a layer's K/V once, so the recompute leaves the state as it
     was). Swaps the blocks' classes and puts them back on exit, so parameter names and every other forward stay
-    as they are; the recompute calls the original forward. `nbytes`: what the kept inputs hold."""
+    as they are; the recompute calls the original forward. The kept inputs are counted in `saved`, the SavedBytes
+    of the same forward: non-reentrant checkpointing saves a block's inputs through its hooks as well, and a count
+    of their own counted each input twice (docs/memory.md)."""
 
-    def __init__(self, model):
+    def __init__(self, model, saved: SavedBytes):
         self.blocks = list(model.layers) + list(getattr(model.visual, "blocks", []))
-        self.nbytes = 0
-        self._seen: set[int] = set()
+        self.saved = saved
 
     def keep(self, x: torch.Tensor) -> None:
         x = x.to_local() if hasattr(x, "to_local") else x  # a DTensor: this rank's shard
-        key = x.untyped_storage().data_ptr()
-        if x.requires_grad and key not in self._seen:  # an input without grad (frozen tower) is not kept for backward
-            self._seen.add(key)
-            self.nbytes += x.untyped_storage().nbytes()
+        if x.requires_grad:  # an input without grad (frozen tower) is not kept for backward
+            self.saved.count(x)
 
     def __enter__(self):
         self._classes = [type(b) for b in self.blocks]
@@ -221,20 +224,22 @@ def fused_prefill(scorer, model, store: PrefixStore, forms: dict[int, str] | Non
             with torch.no_grad():
                 return scorer.prefix(model, prompts)[0]
         saved = SavedBytes(model)
-        compact = CompactPrefix(model) if form == "compact" else nullcontext()
+        compact = CompactPrefix(model, saved) if form == "compact" else nullcontext()
         with torch.enable_grad():  # the parts too: a view made under no_grad would cut them from the graph
             # graph: a checkpointed actor's blocks keep their whole graphs too, so SavedBytes measures the rate the
             # budget plans this form with (and training's recompute choice reads)
             # one forward over many prompts: the compiled elementwise chains pay with grad too (models/fusion.py)
             with saved, compact, recompute(form != "graph"), fusion.batched_forward():
                 state = scorer.prefix(model, prompts)[0]
+            for t in state.k + state.v:  # held with their graph until training reads them (saved by attention too)
+                saved.count(t)
             for b, p in enumerate(prompts):
                 part = state if len(prompts) == 1 else prompt_part(state, b, len(p.input_ids))
                 store.put(model, p, part, batched=len(prompts) > 1)
         tokens = sum(len(p.input_ids) for p in prompts)
         counts = store.graph_bytes if form == "graph" else store.compact_bytes
         held, held_tokens = counts.get(id(model), (0, 0))
-        counts[id(model)] = (held + saved.nbytes + getattr(compact, "nbytes", 0), held_tokens + tokens)
+        counts[id(model)] = (held + saved.nbytes, held_tokens + tokens)
         scorer.counts.add(TokenCounts(prefix_tokens=tokens))
         return state.detach()
 
