@@ -180,6 +180,7 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
         if not rep and a.repeats:
             row["peak_warm_up_gib"] = step_peak / 2**30  # planned from estimates: the rates are measured in it
             row["peak_warm_up_stage_gib"] = {str(k): v / 2**30 for k, v in timer.peak_bytes.items()}
+            row["recompute_warm_up"] = recompute_record(out.schedule)
         if rep or not a.repeats:
             row["peak_timed_gib"] = max(row.get("peak_timed_gib", 0.0), step_peak / 2**30)
             steps.append(step_s)
@@ -194,11 +195,20 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
                warm_up_step=bool(first == 0 and a.repeats))
     row["s_per_sample"] = row["step_s"] / row["samples"]
     row["window_phases"] = [str(ph.name) for ph in out.schedule.phases if ph.in_window]  # beside decode
-    rc = out.schedule.memory.get("recompute", {})  # training forwards that recomputed in backward, or not
-    row["recompute"] = {"on": rc.get("on", 0), "off": rc.get("off", 0)}
+    row["recompute"] = recompute_record(out.schedule)
     if peak:
         row.update(row_mfu(runner.actor.args, out, mode, row["phases_s"], statistics.median(prefill), peak))
     return row
+
+
+def recompute_record(schedule) -> dict:
+    """The train phase's per-micro-batch recompute choices: how many forwards recomputed in backward ("on") or kept
+    their whole graph ("off"), and for each choice the estimate of its whole graph against the free bytes it was
+    compared with (GiB; the free bytes less the headroom), so a peak over the plan shows which choice ran close."""
+    rc = schedule.memory.get("recompute", {})
+    return {"on": rc.get("on", 0), "off": rc.get("off", 0),
+            "estimate_gib": [b / 2**30 for b in rc.get("estimates", [])],
+            "free_gib": [b / 2**30 for b in rc.get("free_bytes", [])]}
 
 
 def profile_row(row: dict, P: int, runner, engine, prompts, params, device) -> None:

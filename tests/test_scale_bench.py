@@ -187,3 +187,18 @@ def test_each_gpu_step_of_scale_gpu_sh_is_a_command_scale_bench_accepts(step, tm
     a = scale_bench.parse(words[words.index("benchmarks/scale_bench.py") + 1:])
     assert a.watchdog_s < int(words[3]) and a.repeats == 1 and a.activation_checkpointing
     assert a.workload in ("img", "vid") and a.out.startswith(str(tmp_path))
+
+
+@pytest.mark.parametrize("budget_gib, on", [("1", 0), ("0.025", 2)])  # 25 MiB: ~1.4 MiB free for a 4.2 MiB graph
+def test_rows_record_each_recompute_choice_of_the_warm_up_and_the_timed_step(tmp_path, budget_gib, on):
+    """With checkpointing, every training forward's choice is kept per step (warm-up apart): its whole-graph estimate
+    against the free bytes it was compared with, and whether it recomputed (on: the estimate did not fit)."""
+    result = scale_bench.main(["--geometry", "debug", "--dtype", "float32", "--prompt-tokens", "32", "--response", "4",
+                               "--group", "2", "--micro-batch", "2", "--repeats", "1", "--prompts", "2",
+                               "--modes", "decomposed", "--activation-checkpointing", "--memory-budget-gib", budget_gib,
+                               "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
+    [row] = result["rows"]
+    for rc in (row["recompute_warm_up"], row["recompute"]):
+        choices = list(zip(rc["estimate_gib"], rc["free_gib"], strict=True))
+        assert len(choices) == rc["on"] + rc["off"] == 2  # one micro-batch per group of 2 samples
+        assert rc["on"] == sum(est > free for est, free in choices) == on
