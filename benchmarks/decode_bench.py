@@ -188,7 +188,30 @@ def hf_decode(hf, batch: int, context: int, new_tokens: int, warm_up: bool = Tru
             "step_ms_max": max(steps) * 1e3, "steps": len(steps), "generate_s": wall}
 
 
-def main():
+def decode_row(geometry: str, batch: int, group: int, variant: str, per_step: float = 0.0, floor: float = 0.0,
+               peak_bytes: int = 0, error: str = "", **extra) -> dict:
+    """One (batch, group, variant) as a row of ../shared/RESULTS.md: a "step" is one decode step of `batch`
+    sequences (`batch` tokens), `floor_fraction` the bandwidth floor over its time; `error` makes it a failed row."""
+    row = {"workload": "decode", "geometry": geometry, "prompts": batch // group, "group": group, "mode": variant,
+           "step_s": per_step, "phases_s": {"decode": per_step} if per_step else {}, "peak_gib": peak_bytes / 2**30,
+           "samples": batch, "tokens": batch, "ok": not error, "error": error, "batch": batch, "variant": variant}
+    if per_step:
+        row.update(step_ms=per_step * 1e3, tokens_per_s=batch / per_step, floor_ms=floor * 1e3,
+                   fraction_of_floor=floor / per_step, floor_fraction=floor / per_step)
+    return {**row, **extra}
+
+
+def results_doc(argv: list[str], info: dict, rows: list[dict]) -> dict:
+    """The run as a results file of ../shared/RESULTS.md (topic "decode"), the run's facts under "info"."""
+    import transformers
+
+    return {"topic": "decode", "command": "python benchmarks/decode_bench.py " + " ".join(argv),
+            "device": info["gpu"], "gpus": 1, "torch": info["torch"], "transformers": transformers.__version__,
+            "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "info": info, "rows": rows}
+
+
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser()
     ap.add_argument("--geometry", default="7B")
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
@@ -214,7 +237,7 @@ def main():
     ap.add_argument("--long-steps", type=int, default=0, help="replays in the long-run hang check")
     ap.add_argument("--out", default="")
     ap.add_argument("--watchdog-s", type=int, default=540, help="dump stacks and exit if still running")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     faulthandler.dump_traceback_later(a.watchdog_s, exit=True)
     dev = torch.device("cuda")
     args = bench_flavor(a.geometry, vision_depth=1)  # the tower plays no part in decode
@@ -272,22 +295,24 @@ def main():
                 q_rows = args.text.num_heads // args.text.num_kv_heads * group  # query rows per K/V head
                 options = tuned.get(f"{batch // group}x{q_rows}x{a.context}", {}).get("options")
                 t = time.perf_counter()
+                torch.cuda.reset_peak_memory_stats(dev)
                 try:
                     per_step, kv_bytes, first_s = native_decode(model, batch, a.context, a.steps, a.warmup,
                                                                 compile_decode, kernel, graphs, a.profile_dir,
                                                                 options, group,
                                                                 False if label.endswith("separate_qkv") else None,
                                                                 AUTOTUNE if label.endswith("autotune") else None)
-                except Exception as err:  # keep the other variants' numbers
-                    print(json.dumps({"batch": batch, "group": group, "variant": label, "error": repr(err)[:2000]}),
-                          flush=True)
+                except Exception as err:  # keep the other variants' numbers: this one is a failed row
+                    first = (str(err).strip().splitlines() or [""])[0]
+                    error = f"{type(err).__name__}: {first}"[:500]
+                    rows.append(decode_row(a.geometry, batch, group, label, error=error,
+                                           peak_bytes=torch.cuda.max_memory_allocated(dev)))
+                    print(json.dumps({**rows[-1], "error": repr(err)[:2000]}), flush=True)
                     continue
                 # One step reads every weight once (the tied/untied LM head included) and each prompt's K/V once.
                 floor = (weight_bytes + kv_bytes) / bw
-                row = {"batch": batch, "group": group, "variant": label, "flex_options": options,
-                       "step_ms": per_step * 1e3, "tokens_per_s": batch / per_step,
-                       "floor_ms": floor * 1e3, "fraction_of_floor": floor / per_step, "first_step_s": first_s,
-                       "wall_s": time.perf_counter() - t}
+                row = decode_row(a.geometry, batch, group, label, per_step, floor, torch.cuda.max_memory_allocated(dev),
+                                 flex_options=options, first_step_s=first_s, wall_s=time.perf_counter() - t)
                 if hf_ms.get(batch):
                     row.update(hf_step_ms=hf_ms[batch], speedup_vs_hf=hf_ms[batch] / (per_step * 1e3))
                 rows.append(row)
@@ -298,10 +323,11 @@ def main():
         info["long_run"] = {"batch": a.batch[0], "replays": a.long_steps, "step_ms": per_step * 1e3,
                             "completed": True, "wall_s": time.perf_counter() - t}
         print(json.dumps(info["long_run"]), flush=True)
-    result = {"info": info, "rows": rows}
+    result = results_doc(argv, info, rows)
     print(json.dumps(info))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":

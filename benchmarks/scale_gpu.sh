@@ -7,7 +7,8 @@
 #   run(command="bash benchmarks/scale_gpu.sh img-32")     # img P = 32, every mode (~530 s)
 #   run(command="bash benchmarks/scale_gpu.sh profile-32") # img P = 32 overlapped + its kernel profile (~300 s)
 #   run(command="bash benchmarks/scale_gpu.sh decode")     # the decode step at batch 64 (~100 s)
-# Results land in $OUT (scale-<date>-<name>.json, its chart, the log); commit the JSON under benchmarks/results/.
+# Results land in $OUT (scale-<date>-<name>.json or decode-<date>-b64.json, a chart, the log); commit the JSON under
+# benchmarks/results/ (both follow ../shared/RESULTS.md).
 # MODES=... overrides a step's modes (e.g. MODES=overlapped,decomposed-batched); DRY=1 prints the commands.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,7 @@ case "${1:-}" in
   img-32) scale img-32 img 32 overlapped,decomposed,serial,decomposed-batched --warmup modes ;;
   profile-32) scale profile-32 img 32 overlapped --warmup modes --profile 32:overlapped ;;
   decode)
-    timeout -k 10 300 python benchmarks/decode_bench.py --geometry 7B --batch 64 --group 1 --context 2048 --steps 64 \
+    ${DRY:+echo} timeout -k 10 300 python benchmarks/decode_bench.py --geometry 7B --batch 64 --group 1 --context 2048 --steps 64 \
       --watchdog-s 290 --out "$OUT/decode-$stamp-b64.json" 2>&1 | tee "$OUT/decode-$stamp.log" ;;
   *)
     echo "usage: $0 img-8-64 | vid-4 | vid-16 | img-32 | profile-32 | decode" >&2; exit 2 ;;
