@@ -558,6 +558,8 @@ USER_ERRORS = (ConfigError, RunFolderError, DataError, FileNotFoundError)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command line's entry point. A job on a gloo process group that finished well ends the process here
+    (`finish_distributed`); errors destroy the group and exit with their status."""
     setup_logging(int(os.environ.get("RANK", "0")))
     finished = False
     try:
