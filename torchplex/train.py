@@ -561,11 +561,10 @@ def main(argv: list[str] | None = None) -> None:
     """The command line's entry point. A job on a gloo process group that finished well ends the process here
     (`finish_distributed`); errors destroy the group and exit with their status."""
     setup_logging(int(os.environ.get("RANK", "0")))
-    finished = False
     try:
         cfg = load_config(argv)
         Trainer(cfg).train()
-        finished = True
+        finish_distributed()
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -573,9 +572,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\ninterrupted", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     finally:
-        if not finished:
-            destroy_distributed()
-    finish_distributed()
+        destroy_distributed()  # after an error (a finished job's group is gone already)
 
 
 if __name__ == "__main__":

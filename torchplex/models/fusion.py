@@ -115,13 +115,17 @@ _compiled: dict[str, Callable] = {}
 _local = threading.local()  # per thread: the decode window's thread never inherits the main thread's context
 
 
+def _batched_depth() -> int:
+    return getattr(_local, "batched", 0)
+
+
 @contextmanager
 def batched_forward():
     """Inside: the compiled chains with grad too. For one forward over many prompts at once (the overlapped
     rollout's fused prefill, the decomposed mode's batched actor prefix): tens of thousands of tokens per call, so
     each compiled call's host cost hides behind its kernels, and its backward is one batched pass as well; a
     training micro-batch is not (see the module docstring)."""
-    depth = getattr(_local, "batched", 0)
+    depth = _batched_depth()
     _local.batched = depth + 1
     try:
         yield
@@ -133,7 +137,7 @@ def under_current_mode(fn: Callable) -> Callable:
     """`fn`, run as inside `batched_forward` when it is active now: for a function a checkpoint reruns in backward
     (outside the forward's context), whose rerun must save what its forward saved (compiled and eager chains save
     different tensors)."""
-    if not getattr(_local, "batched", 0):
+    if not _batched_depth():
         return fn
 
     def run(*args, **kwargs):
@@ -145,7 +149,7 @@ def under_current_mode(fn: Callable) -> Callable:
 
 def _pick(name: str, eager: Callable) -> Callable:
     # compiled only without grad, or inside batched_forward: see the module docstring
-    if not _ON or (torch.is_grad_enabled() and not getattr(_local, "batched", 0)):
+    if not _ON or (torch.is_grad_enabled() and not _batched_depth()):
         return eager
     fn = _compiled.get(name)
     if fn is None:

@@ -157,12 +157,10 @@ class StepRunner:
         return any(p.requires_grad for p in self.actor.visual.parameters())
 
     def shape(self, prompts, params: SamplingParams) -> StepShape:
-        t = self.actor.args.text
-        kv = 2 * t.num_layers * t.num_kv_heads * t.head_dim * self.actor.output_weight.element_size()
         return StepShape(prompt_lengths=tuple(len(p.input_ids) for p in prompts), group_size=params.n,
                          max_new_tokens=params.max_new_tokens, has_reference=self.reference is not None,
                          vision_trainable=self._vision_trainable(),
-                         ppo_epochs=self.settings.ppo_epochs, kv_bytes_per_token=kv,
+                         ppo_epochs=self.settings.ppo_epochs, kv_bytes_per_token=self._kv_bytes_per_token(),
                          activation_bytes_per_token=self._activation_bytes_per_token or self._graph_estimate(),
                          compact_bytes_per_token=self._compact_bytes_per_token or self._compact_estimate(),
                          ref_prefix_batchable=self._ref_prefix_unbatchable(params.n), device=self.device.type)
@@ -198,13 +196,17 @@ class StepRunner:
         vision = layer(v.hidden_size, v.intermediate_size) * v.spatial_merge_size ** 2 if trainable else 0
         return layer(args.text.hidden_size, args.text.intermediate_size), vision
 
+    def _kv_bytes_per_token(self) -> int:
+        """K and V of one prompt token over all decoder layers."""
+        t = self.actor.args.text
+        return 2 * t.num_layers * t.num_kv_heads * t.head_dim * self.actor.output_weight.element_size()
+
     def _compact_estimate(self) -> float:
         """Bytes per prompt token the compact form holds, before it was measured: the hidden state entering each
         decoder layer and its K/V, and (trainable tower) each vision block's input for the 4 patches a merged
         token has."""
         args, size = self.actor.args, self.actor.output_weight.element_size()
-        t = args.text
-        text = (t.hidden_size + 2 * t.num_kv_heads * t.head_dim) * t.num_layers * size
+        text = args.text.hidden_size * args.text.num_layers * size + self._kv_bytes_per_token()
         v = args.vision
         vision = v.hidden_size * v.depth * v.spatial_merge_size ** 2 * size if self._vision_trainable() else 0
         return text + vision
