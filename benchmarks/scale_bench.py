@@ -391,7 +391,8 @@ def main(argv=None) -> dict:
                                      f"{a.max_step_s:.0f}")
             except Exception as e:  # out of memory included: the row says so and the next one runs
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                row = failed_row(a, mode, P, f"{type(e).__name__}: {first}")
+                where = "".join(f" ({note})" for note in getattr(e, "__notes__", []))  # the runner's: which stage
+                row = failed_row(a, mode, P, f"{type(e).__name__}{where}: {first}")
                 print(f"[scale_bench] {a.workload} P={P} {mode} failed:\n{traceback.format_exc(limit=3)}", flush=True)
                 if mode in runners:  # a fresh runner for the next P: nothing of a failed step is reused
                     close(runners.pop(mode))

@@ -15,7 +15,7 @@ from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.decomposition import DecomposedScorer
 from torchplex.runtime.memory_budget import (COMPACT, FIT_KEYS, GRAPH, HEADROOM, NONE, BatchTooLargeError, MemoryBudget,
-                                             kv_pool_bytes, step_residents)
+                                             UNPLANNED, kv_pool_bytes, step_residents)
 from torchplex.runtime.overlap import fused_prefill
 from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
 
@@ -283,3 +283,61 @@ def test_managed_residents_are_the_memory_plans_peaks_beside_the_actor_weights()
                                kv_pool_bytes=300, train_activation_bytes=50,
                                managed={"rollout": 300, "ref": 100, "train": 400})
     assert {s: sum(g.values()) for s, g in residents.items()} == {"rollout": 400, "ref": 200, "train": 550}
+
+
+def test_a_stage_peak_over_its_plan_shrinks_the_next_plans_room(setup):
+    """What a step's rollout peaked at beyond its plan (its residents and the prefixes it really held; here as much
+    again as the prefixes, a transient the tiny model does not have) is the rollout's `unplanned` bytes in the next
+    plan: the room for held prefixes shrinks (rollout now the fullest stage) and the forms follow (all graphs
+    before, fewer after); the budget check ignores it. Training's own peak is left to its activations measure (no
+    unplanned bytes learnt from it)."""
+    sizes = form_bytes(setup)[GRAPH]
+    runner = runner_for(setup, "overlapped", budget=budget_for_room(setup, sum(sizes)))
+    run_stages, extra = runner._run_stages, sum(sizes)
+
+    def measured(step, work, timer):  # the CUDA peaks _stage records, a rollout transient added
+        run_stages(step, work, timer)
+        res = step.schedule.memory["residents"]
+        held = sum(b for b, _ in step.prefixes.graph_bytes.values())
+        runner._stage_peaks = {"rollout": sum(res["rollout"].values()) + held + extra,
+                               "train": sum(res["train"].values()) + held + 10 * extra}
+
+    runner._run_stages = measured
+    first = step(runner, setup).schedule
+    assert [c.form for c in first.prefix_forms] == [GRAPH] * 3
+    assert first.memory["unplanned_measured"] == {"rollout": extra}
+    second = runner.plan(setup[1], params_for(setup))
+    assert second.memory["residents"]["rollout"]["unplanned"] == extra
+    assert "unplanned" not in second.memory["residents"]["train"]
+    res = second.memory["residents"]
+    assert second.memory["room_bytes"] == second.memory["usable_bytes"] - max(sum(res[s].values()) for s in res)
+    assert second.memory["room_bytes"] < first.memory["room_bytes"]
+    assert [c.form for c in second.prefix_forms].count(GRAPH) < 3
+    measured_only = MemoryBudget(100, {s: {"actor_weights": 10, "activations": 200, UNPLANNED: 200}
+                                       for s in ("rollout", "ref", "train")})
+    measured_only.check()  # a measured transient narrows the room (0 here); it refuses no step
+    assert measured_only.room_bytes == 0
+
+
+def test_a_failed_step_keeps_nothing_it_held_and_names_its_stage(setup):
+    """A step that fails in training (an out-of-memory error, say) leaves no held prefix graph alive in the runner
+    (the next step, or a smaller one, gets that memory back), and the error says which stage of which step."""
+    runner = runner_for(setup, "overlapped", budget=2**40)
+    step(runner, setup)  # the compilations and measured rates: the failed step below allocates only its own
+
+    def out_of_memory(step):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    runner._train = out_of_memory
+    gc.collect()
+    with LiveBytes() as live:
+        with pytest.raises(torch.OutOfMemoryError) as e:
+            step(runner, setup)
+        held = runner.scorer.store._held
+        gc.collect()
+        left = live.live
+    assert not held
+    assert "in the train stage of a step of 3 prompts (overlapped)" in "\n".join(e.value.__notes__)
+    del e
+    gc.collect()
+    assert left < 2**20, left  # the held graphs of 3 prompts are several MiB here

@@ -27,8 +27,9 @@ from ..models.qwen2_5_vl.parallelize import is_checkpointed
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
-from .memory_budget import (HEADROOM, NONE, MemoryBudget, agree_on_held_form, agree_on_recompute, device_capacity,
-                            kv_pool_bytes, needs_recompute, no_recompute_bytes, recompute_train_bytes, step_residents)
+from .memory_budget import (HEADROOM, NONE, UNPLANNED, MemoryBudget, agree_on_held_form, agree_on_recompute,
+                            device_capacity, kv_pool_bytes, needs_recompute, no_recompute_bytes, recompute_train_bytes,
+                            step_residents)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
 from .overlap import DecodeWindowJobs, PrefixStore, fused_prefill, hold_prefixes, length_groups, rollout_prefill
 from .phases import Stage
@@ -138,6 +139,12 @@ class StepRunner:
         self._train_measurable = True
         self._measures_memory = self.device.type == "cuda"  # the allocator's counters exist (CUDA)
         self._held_in_train = 0  # what the batched actor prefix allocated in this step's train stage (CUDA)
+        # the rollout's and the reference's last peak beyond their plans (residents and the prefixes really held):
+        # the transients no group counts (decode's logits and sampling, a reference micro-batch, ...); the next
+        # plans count them in the stage (memory_budget.UNPLANNED); CUDA only
+        self._unplanned_bytes: dict[str, int] = {}
+        self._stage_peaks: dict[str, int] = {}  # this step's, per stage (_stage)
+        self._failed_stage = "planning"  # the stage a failing step was in (its error's note)
 
     def attach_memory(self, memory) -> None:
         if self.settings.plan.ref_prefix_in_window or self.settings.plan.ref_suffix_in_window:
@@ -222,15 +229,14 @@ class StepRunner:
             self.scorer.new_step(step.prefixes, step.vision)
         work = {Stage.VISION: self._vision, Stage.ROLLOUT: self._rollout, Stage.REF: self._reference,
                 Stage.TRAIN: self._train}
-        with step.gathers:
-            for stage in schedule.stages():
-                with self._stage(stage, step.timeline, phase_timer):
-                    work[stage](step)
-                if stage is Stage.ROLLOUT:  # rewards and advantages: host work between the stages, timed in neither
-                    step.experience = build_experience(prompts, answers, step.outputs, self.tokenizer,
-                                                       self.settings.reward_names, self.settings.reward_weights,
-                                                       self.settings.advantage, self.settings.dynamic_sampling,
-                                                       self.device)
+        try:
+            self._run_stages(step, work, phase_timer)
+        except BaseException as e:  # nothing of a failed step stays alive (its held prefix graphs above all)
+            step.prefixes.clear()
+            self.scorer.new_step()
+            e.add_note(f"in the {self._failed_stage} stage of a step of {len(prompts)} prompts ({schedule.mode})")
+            raise
+        self._learn_unplanned(step)
         if id(self.actor) in step.prefixes.graph_bytes:
             nbytes, tokens = step.prefixes.graph_bytes[id(self.actor)]
             self._activation_bytes_per_token = nbytes / tokens
@@ -241,6 +247,34 @@ class StepRunner:
         if self.memory is not None:
             self.memory.close()
         return StepOutput(step.experience, step.result, schedule, step.timeline, step.prefixes)
+
+    def _run_stages(self, step: _Step, work: dict, phase_timer) -> None:
+        prompts, answers, schedule = step.prompts, step.answers, step.schedule
+        self._stage_peaks, self._failed_stage = {}, "start"
+        with step.gathers:
+            for stage in schedule.stages():
+                self._failed_stage = stage
+                with self._stage(stage, step.timeline, phase_timer):
+                    work[stage](step)
+                if stage is Stage.ROLLOUT:  # rewards and advantages: host work between the stages, timed in neither
+                    step.experience = build_experience(prompts, answers, step.outputs, self.tokenizer,
+                                                       self.settings.reward_names, self.settings.reward_weights,
+                                                       self.settings.advantage, self.settings.dynamic_sampling,
+                                                       self.device)
+
+    def _learn_unplanned(self, step: _Step) -> None:
+        """The rollout's and the reference's peak beyond their plans (the stage's residents and the prefixes the step
+        really held) become the stage's `unplanned` bytes in the next plans (measured on CUDA only: `_stage_peaks`).
+        Training is left to its activations measure (`_stage`): a micro-batch that skips its recompute uses what is
+        left by design, and counted here that would shrink the held prefixes step after step."""
+        residents = step.schedule.memory.get("residents", {})
+        held = sum(b for b, _ in step.prefixes.graph_bytes.values()) + sum(
+            b for b, _ in step.prefixes.compact_bytes.values())
+        for stage in (Stage.ROLLOUT, Stage.REF):
+            if stage in self._stage_peaks:
+                planned = sum(b for g, b in residents.get(stage, {}).items() if g != UNPLANNED) + held
+                self._unplanned_bytes[str(stage)] = max(0, self._stage_peaks[stage] - planned)
+        step.schedule.memory["unplanned_measured"] = dict(self._unplanned_bytes)
 
     def plan(self, prompts: list, params: SamplingParams) -> Schedule:
         """This step's schedule, for what the engine declares it supports and what its memory budget leaves for
@@ -301,6 +335,8 @@ class StepRunner:
             residents["rollout"]["kv_pool"] = max(0, pool - planned_pool)
         if holds_every_ref_prefix(shape, self.settings.plan):  # the REF_PREFIX phase's bytes
             residents["ref"]["ref_prefix_kv"] = shape.kv_bytes_per_token * shape.prefix_tokens
+        for stage, nb in self._unplanned_bytes.items():  # measured by the last step (_learn_unplanned)
+            residents[stage][UNPLANNED] = nb
         return budget
 
     @contextmanager
@@ -309,14 +345,17 @@ class StepRunner:
             if self.memory is not None and stage in {row.phase for row in self.memory.plan.phases}:
                 self.memory.enter(stage)  # waits for this stage's groups, starts the next stage's prefetches
             measure = stage is Stage.TRAIN and self._measures_memory
+            peaks = (stage in (Stage.ROLLOUT, Stage.REF) or measure) and self._measures_memory
             self._held_in_train = 0
-            if measure:  # what training allocates beyond what it found: its activations and the gradients
-                torch.cuda.synchronize(self.device)
+            if peaks:  # the stage's peak (_learn_unplanned); in training also what it allocates beyond what it
+                torch.cuda.synchronize(self.device)  # found: its activations and the gradients
                 entry = torch.cuda.memory_allocated(self.device)
                 torch.cuda.reset_peak_memory_stats(self.device)
             yield
-            if measure:
+            if peaks:
                 torch.cuda.synchronize(self.device)
+                self._stage_peaks[str(stage)] = torch.cuda.max_memory_allocated(self.device)
+            if measure:
                 grads = _local_bytes(p for p in self.actor.parameters() if p.requires_grad)
                 if self._train_measurable:
                     # less the batched actor prefix held in the stage: the budget counts it in the train room, not

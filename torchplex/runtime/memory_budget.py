@@ -5,7 +5,10 @@ from what is left, how each prompt's actor prefix may be held from the rollout t
                 already holds (cached blocks are ours to reuse); on CPU the host's physical memory
     residents   per stage (rollout, ref, train): the bytes of every group on the device then: actor weights, the
                 reference weights, optimizer state, gradients, the rollout's KV pool, the training micro-batch's
-                activations (with memory.managed, the memory plan's peak of the stage instead of "all resident")
+                activations (with memory.managed, the memory plan's peak of the stage instead of "all resident");
+                on CUDA the rollout's and the reference's `unplanned` bytes too: what the last step's peak in the
+                stage allocated beyond those groups and the prefixes it held (decode's logits and sampling, a
+                reference micro-batch, ...)
     room        capacity - headroom - the largest stage's residents: a prefix held from the rollout prefill to
                 training lives through all three stages, so it must fit beside the fullest one
 
@@ -38,6 +41,7 @@ import torch.distributed as dist
 
 GRAPH, COMPACT, NONE = "graph", "compact", "none"
 HELD_STAGES = ("rollout", "ref", "train")  # a fused prefix is held from the rollout prefill to its training
+UNPLANNED = "unplanned"  # a stage's peak beyond its groups and held prefixes, measured by the last step (CUDA)
 HEADROOM = 0.05  # of capacity, for the allocator's fragmentation and the small tensors no group counts
 # what to change when a step does not fit, in the order a user reaches for them
 FIT_KEYS = ("data.prompts_per_step", "rollout.n_samples", "rollout.max_new_tokens", "rollout.kv_pool_gib",
@@ -85,7 +89,8 @@ class MemoryBudget:
         """Raise BatchTooLargeError when a stage's groups exceed the usable budget. Activations (an estimate until
         training measured them on a GPU) count in the room only: a wrong guess fuses fewer prompts, it does not
         refuse a step that would have run."""
-        need = lambda s: self.stage_bytes(s) - self.residents.get(s, {}).get("activations", 0)
+        measured = ("activations", UNPLANNED)
+        need = lambda s: self.stage_bytes(s) - sum(self.residents.get(s, {}).get(g, 0) for g in measured)
         over = [(s, need(s)) for s in HELD_STAGES if need(s) > self.usable_bytes]
         if not over:
             return
