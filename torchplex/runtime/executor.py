@@ -87,6 +87,7 @@ class _Step:
     outputs: list | None = None
     experience: Experience | None = None
     result: TrainResult | None = None
+    stage: str = "start"  # the stage running (a failing step's error names it)
 
 
 def _local_bytes(params) -> int:
@@ -144,7 +145,6 @@ class StepRunner:
         # plans count them in the stage (memory_budget.UNPLANNED); CUDA only
         self._unplanned_bytes: dict[str, int] = {}
         self._stage_peaks: dict[str, int] = {}  # this step's, per stage (_stage)
-        self._failed_stage = "planning"  # the stage a failing step was in (its error's note)
 
     def attach_memory(self, memory) -> None:
         if self.settings.plan.ref_prefix_in_window or self.settings.plan.ref_suffix_in_window:
@@ -234,7 +234,7 @@ class StepRunner:
         except BaseException as e:  # nothing of a failed step stays alive (its held prefix graphs above all)
             step.prefixes.clear()
             self.scorer.new_step()
-            e.add_note(f"in the {self._failed_stage} stage of a step of {len(prompts)} prompts ({schedule.mode})")
+            e.add_note(f"in the {step.stage} stage of a step of {len(prompts)} prompts ({schedule.mode})")
             raise
         self._learn_unplanned(step)
         if id(self.actor) in step.prefixes.graph_bytes:
@@ -250,10 +250,10 @@ class StepRunner:
 
     def _run_stages(self, step: _Step, work: dict, phase_timer) -> None:
         prompts, answers, schedule = step.prompts, step.answers, step.schedule
-        self._stage_peaks, self._failed_stage = {}, "start"
+        self._stage_peaks = {}
         with step.gathers:
             for stage in schedule.stages():
-                self._failed_stage = stage
+                step.stage = stage
                 with self._stage(stage, step.timeline, phase_timer):
                     work[stage](step)
                 if stage is Stage.ROLLOUT:  # rewards and advantages: host work between the stages, timed in neither
@@ -345,7 +345,7 @@ class StepRunner:
             if self.memory is not None and stage in {row.phase for row in self.memory.plan.phases}:
                 self.memory.enter(stage)  # waits for this stage's groups, starts the next stage's prefetches
             measure = stage is Stage.TRAIN and self._measures_memory
-            peaks = (stage in (Stage.ROLLOUT, Stage.REF) or measure) and self._measures_memory
+            peaks = self._measures_memory and stage in (Stage.ROLLOUT, Stage.REF, Stage.TRAIN)
             self._held_in_train = 0
             if peaks:  # the stage's peak (_learn_unplanned); in training also what it allocates beyond what it
                 torch.cuda.synchronize(self.device)  # found: its activations and the gradients
@@ -360,7 +360,7 @@ class StepRunner:
                 if self._train_measurable:
                     # less the batched actor prefix held in the stage: the budget counts it in the train room, not
                     # in the activations (counted in both, the next step's room would shrink by what it held)
-                    peak = torch.cuda.max_memory_allocated(self.device)
+                    peak = self._stage_peaks[str(stage)]
                     self._train_activation_bytes = max(0, peak - entry - grads - self._held_in_train)
 
     # ---- the stages ------------------------------------------------------------------------------------------
