@@ -43,6 +43,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.step_bench import NullTokenizer, bench_flavor, build, make_prompt, sync  # noqa: E402
+from torchplex.components import peak_memory  # noqa: E402
 from torchplex.components.optim import build_optimizer  # noqa: E402
 from torchplex.distributed.mesh import build_parallel_dims, finish_distributed, init_distributed  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl  # noqa: E402
@@ -353,13 +354,13 @@ def main(argv=None):
     for layout in layouts:
         log(f"layout {layout}")
         if gpu:
-            torch.cuda.reset_peak_memory_stats(device)
+            peak_memory.reset_peak(device)
         if layout == "disaggregated":
             result[layout] = run_disaggregated(a, margs, prompts, params, dtype, device)
         else:
             result[layout] = run_colocated(a, layout.removeprefix("colocated_"), margs, prompts, params, dtype, device)
         peaks = [None] * world
-        dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device) / 2**30 if gpu else 0.0)
+        dist.all_gather_object(peaks, peak_memory.max_allocated(device) / 2**30 if gpu else 0.0)
         result[layout]["peak_gib_per_rank"] = peaks
         free(device)
         compare(result)

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from step_bench import NullTokenizer, bench_flavor, make_prompt, sync  # noqa: E402
+from torchplex.components import peak_memory  # noqa: E402
 from torchplex.components.optim import build_optimizer  # noqa: E402
 from torchplex.distributed.mesh import build_parallel_dims  # noqa: E402
 from torchplex.models.qwen2_5_vl.build import build_model  # noqa: E402
@@ -117,7 +118,7 @@ def main() -> None:
             resync = []
             for rep in range(a.repeats + 1):  # the first step warms up kernels, allocator and the decode graph
                 if use_cuda:
-                    torch.cuda.reset_peak_memory_stats(device)
+                    peak_memory.reset_peak(device)
                 dist.barrier()
                 t = time.perf_counter()
                 out = runner.run(prompts, [""] * len(prompts), params)
@@ -132,7 +133,7 @@ def main() -> None:
                 log(f"rollout TP {t_roll} {mode} step {rep}: {step_s:.2f} s"
                     + (" (warm-up)" if rep == 0 else ""))
             row = {k: statistics.median(v) for k, v in times.items() if v}
-            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if use_cuda else 0.0
+            row["peak_gib"] = peak_memory.max_allocated(device) / 2**30 if use_cuda else 0.0
             row["schedule"] = str(out.schedule)
             if shared:
                 row["resync_ms_median"] = 1e3 * statistics.median(resync)

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
+from torchplex.components import peak_memory
 from torchplex.components.flops import Flops, TRAIN_FACTOR, decomposed_flops, mfu, prefill_flops, serial_flops
 from torchplex.components.flops import vision_flops
 from torchplex.data.batching import collate, encode_visuals
@@ -298,7 +299,7 @@ def run_mfu(a, args, dtype, device, prompts, build, stops: list[int], progress=l
                 continue
             try:
                 if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
+                    peak_memory.reset_peak()
                 sync(device)
                 t = time.perf_counter()
                 run_prefill(engine_like, prompts)
@@ -311,7 +312,7 @@ def run_mfu(a, args, dtype, device, prompts, build, stops: list[int], progress=l
                 if m not in mismatch:
                     mismatch[m] = logprob_mismatch(out)
                 if device.type == "cuda":
-                    peaks[m] = max(peaks[m], torch.cuda.max_memory_allocated() / 2**30)
+                    peaks[m] = max(peaks[m], peak_memory.max_allocated() / 2**30)
                 print(f"[mfu {time.strftime('%H:%M:%S')}] {'timed' if rep else 'warm-up'} {m}: prefill {pre:.2f}s "
                       f"vision {vis:.2f}s reference {ref_s:.2f}s train {train_s:.2f}s", flush=True)
                 if rep:

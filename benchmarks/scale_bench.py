@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,6 +38,7 @@ from benchmarks.step_bench import (NullTokenizer, bench_flavor, build_policy, lo
                                    sync)
 from benchmarks.phase_mfu import (grids_of, logprob_mismatch, matmul_peak, phase_flops, profiled,  # noqa: E402
                                   run_prefill)
+from torchplex.components import peak_memory  # noqa: E402
 from torchplex.components.flops import mfu, prefill_flops  # noqa: E402
 from torchplex.components.metrics import PhaseTimer  # noqa: E402
 from torchplex.models import fusion  # noqa: E402
@@ -50,8 +52,8 @@ WORKLOADS = {"img": dict(prompt_tokens=1024, video=None, mean_response=256, resp
              "vid": dict(prompt_tokens=0, video=(32, 448), mean_response=256, response=1024),
              "img-small": dict(prompt_tokens=1024, video=None, mean_response=128, response=512)}
 # -window: the reference in the decode window; -batched: runtime.batched_actor_prefix (the actor prefixes batched at
-# the start of training)
-MODES = ("serial", "decomposed", "decomposed-batched", "overlapped", "overlapped-window")
+# the start of training), the default since 2026-12-02, so "decomposed" runs it as well; -unbatched: without it
+MODES = ("serial", "decomposed", "decomposed-batched", "decomposed-unbatched", "overlapped", "overlapped-window")
 STAGES = ("vision", "rollout", "ref", "train")
 
 
@@ -100,7 +102,10 @@ def memory_record(out, runner, engine, phase_timer: PhaseTimer) -> dict:
                          "held_graph_bytes": sum(b for b, _ in out.prefixes.graph_bytes.values()),
                          "held_compact_bytes": sum(b for b, _ in out.prefixes.compact_bytes.values()),
                          "ref_prefix_kv_peak_bytes": max(out.prefixes.peak_kv_bytes.values(), default=0),
-                         "stage_peak_bytes": dict(phase_timer.peak_bytes)}}
+                         "stage_peak_bytes": dict(phase_timer.peak_bytes),
+                         # training's windows (executor._learn_train) and each stage's transient beyond its plan
+                         "train_windows_bytes": s.memory.get("train_measured", {}),
+                         "unplanned_bytes": s.memory.get("unplanned_measured", {})}}
 
 
 def step_flops(args, exp, mode: str, forms: list[str], vision_stage: bool) -> dict:
@@ -167,7 +172,7 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
     for rep in range(first, a.repeats + 1):
         timer.reset()
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+            peak_memory.reset_peak()
         prefill_before = engine.stats.prefill_s
         t = time.perf_counter()
         out = runner.run(prompts, [""] * P, params, phase_timer=timer)
@@ -374,14 +379,15 @@ def main(argv=None) -> dict:
                 continue
             try:
                 if mode not in runners:
-                    cfg = bench_config(mode.removesuffix("-window").removesuffix("-batched"), micro_batch=a.micro_batch,
+                    cfg = bench_config(mode.split("-")[0], micro_batch=a.micro_batch,
                                        ref_micro_batch=a.ref_micro_batch,
                                        window=mode.endswith("-window"))
                     cfg.rollout.kv_pool_gib, cfg.memory.budget_gib, cfg.memory.managed = (
                         a.kv_pool_gib, a.memory_budget_gib, a.managed)
                     cfg.model.activation_checkpointing = a.activation_checkpointing
                     cfg.runtime.packed_scoring = not a.padded
-                    cfg.runtime.batched_actor_prefix = mode.endswith("-batched")
+                    if mode.endswith("batched"):  # -batched: the default since 2026-12-02, kept for earlier commands
+                        cfg.runtime.batched_actor_prefix = mode.endswith("-batched")
                     runners[mode] = build_step_runtime(cfg, actor, reference, engine, optimizer, None,
                                                        NullTokenizer())
                 row = run_row(a, mode, P, runners[mode], engine, prompts, params, device,
@@ -393,6 +399,11 @@ def main(argv=None) -> dict:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 where = "".join(f" ({note})" for note in getattr(e, "__notes__", []))  # the runner's: which stage
                 row = failed_row(a, mode, P, f"{type(e).__name__}{where}: {first}")
+                failed = runners[mode].failed_schedule if mode in runners else None
+                if failed is not None:  # its plan and its stages' peaks (the failing one's up to the error)
+                    row["failed_step"] = {"memory": failed.memory,
+                                          "forms": Counter(c.form for c in failed.prefix_forms),
+                                          "train_forms": Counter(c.form for c in failed.train_prefix_forms)}
                 print(f"[scale_bench] {a.workload} P={P} {mode} failed:\n{traceback.format_exc(limit=3)}", flush=True)
                 if mode in runners:  # a fresh runner for the next P: nothing of a failed step is reused
                     close(runners.pop(mode))

@@ -165,6 +165,7 @@ def _train(a, backend, out_dir, train, load_config) -> dict:
 def step_rows(a, backend: str, workload: str, device: torch.device, engine_factory=None) -> dict:
     from benchmarks.bench_runtime import bench_config
     from benchmarks.step_bench import NullTokenizer, long_tail_stops, make_prompt
+    from torchplex.components import peak_memory
     from torchplex.models.qwen2_5_vl.build import build_model
     from torchplex.rollout.logprob_mismatch import logprob_mismatch
     from torchplex.rollout.sampling import SamplingParams
@@ -227,7 +228,7 @@ def step_rows(a, backend: str, workload: str, device: torch.device, engine_facto
                 "step_s": statistics.median(times), "phases_s": {"rollout": statistics.median(rollout)},
                 "weight_push_s": statistics.median(pushes) if pushes else 0.0,
                 "released_gib": statistics.median(freed) if freed else 0.0,
-                "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+                "peak_gib": peak_memory.max_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
                 "samples": P * a.group, "tokens": int(out.experience.lengths.sum()),
                 "logprob_mismatch": statistics.mean(mismatch), "mismatch_k3": statistics.mean(k3),
                 "ok": finite(times + mismatch), "error": ""}
@@ -259,8 +260,9 @@ def main(argv=None, engine_factory=None) -> dict:
             # take the finished rows with it
             write_results(a.out, rows, argv, device)
             if device.type == "cuda":
+                from torchplex.components import peak_memory
                 torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
+                peak_memory.reset_peak(device)  # what the step's windows carried too
     return write_results(a.out, rows, argv, device)  # also with no rows: the file says what ran
 
 

@@ -4,6 +4,7 @@ prompts), with an optimizer that keeps the gradients it stepped on, so tests com
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 
 import torch
 
@@ -12,6 +13,7 @@ from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.executor import StepRunner, StepSettings
+from torchplex.components.peak_memory import PeakWindows
 from torchplex.runtime.planner import PlanOptions
 
 
@@ -51,3 +53,36 @@ def run_recording(runner: StepRunner, setup, module: torch.nn.Module, record):
         return runner.run(prompts, [""] * len(prompts), params)
     finally:
         hook.remove()
+
+
+class StandInCounter:
+    """The allocator's counters, stood in for on CPU: `now` is what is allocated, `top` the peak since a reset."""
+
+    def __init__(self, now: int = 0):
+        self.now = self.top = now
+
+    def allocated(self) -> int:
+        return self.now
+
+    def max_allocated(self) -> int:
+        return max(self.top, self.now)
+
+    def reset_peak(self) -> None:
+        self.top = self.now
+
+
+class ScriptedWindows(PeakWindows):
+    """PeakWindows whose windows each peak `sizes[name]` above what they found (the names entered kept in order);
+    the gradients' growth is left out: the scripted peaks hold none."""
+
+    def __init__(self, sizes: dict[str, int], now: int = 2**30):
+        super().__init__(StandInCounter(now))
+        self.sizes = sizes
+        self.names: list[str] = []
+
+    @contextmanager
+    def window(self, name, growth=None):
+        self.names.append(name)
+        with super().window(name):
+            yield
+            self.counter.top = max(self.counter.top, self.counter.now + self.sizes[name])

@@ -14,12 +14,13 @@ import torch
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.decomposition import DecomposedScorer
-from torchplex.runtime.memory_budget import (COMPACT, FIT_KEYS, GRAPH, HEADROOM, NONE, BatchTooLargeError, MemoryBudget,
-                                             UNPLANNED, kv_pool_bytes, step_residents)
-from torchplex.runtime.overlap import fused_prefill
+from torchplex.runtime.memory_budget import (COMPACT, FIT_KEYS, GRAPH, HEADROOM, NONE, PREFIX_GRADS, UNPLANNED,
+                                             BatchTooLargeError, MemoryBudget, batch_token_bound, kv_pool_bytes,
+                                             prefix_backward_rate, step_residents)
+from torchplex.runtime.overlap import HELD_BATCH_TOKENS, fused_prefill, padded_tokens, token_batches
 from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
 
-from step_runners import cpu_runner
+from step_runners import ScriptedWindows, cpu_runner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from train_memory_probe import LiveBytes  # noqa: E402
@@ -338,6 +339,133 @@ def test_a_failed_step_keeps_nothing_it_held_and_names_its_stage(setup):
         left = live.live
     assert not held
     assert "in the train stage of a step of 3 prompts (overlapped)" in "\n".join(e.value.__notes__)
+    # what it planned stays for the report (scale_bench's failed row), with the stages' peaks (none measured on CPU)
+    failed = runner.failed_schedule
+    assert len(failed.prefix_forms) == 3 and failed.memory["stage_peaks_measured"] == {}
     del e
     gc.collect()
     assert left < 2**20, left  # the held graphs of 3 prompts are several MiB here
+
+
+# ---- prefixes held in batches: their backward's transient and their gradients --------------------------------
+def cuts(lengths):
+    """Every way to cut `lengths` into consecutive batches."""
+    for mask in range(2 ** max(0, len(lengths) - 1)):
+        batches, cur = [], [lengths[0]]
+        for i, L in enumerate(lengths[1:]):
+            if mask >> i & 1:
+                batches.append(cur)
+                cur = []
+            cur.append(L)
+        yield batches + [cur]
+
+
+@pytest.mark.parametrize("lengths,cap", [((5, 9, 3, 7, 7, 2), 16), ((30, 4, 4, 4), 12), ((8, 8, 8), 100), ((3,), 1)])
+def test_batch_token_bound_is_the_largest_padded_batch_of_any_cut(lengths, cap):
+    """The bound the train stage plans a batched backward with, against brute force over every cut into batches of
+    at most `cap` tokens (or one longer prompt alone)."""
+    fits = lambda b: len(b) == 1 or sum(b) <= cap
+    worst = max(padded_tokens(b) for c in cuts(list(lengths)) if all(map(fits, c)) for b in c)
+    assert batch_token_bound(lengths, cap) == worst
+
+
+def test_token_batches_cut_prompts_as_the_engine_admits_them(setup):
+    """The engine's prefill batches (what the bound above assumes for the fused prefill): in admission order, at most
+    prefill_tokens tokens each, a longer prompt alone; and overlap.token_batches cuts the same way."""
+    runner = runner_for(setup, "decomposed", budget=2**40, kv_pool=64 * 2**20)
+    engine, prompts = runner.engine, setup[1]
+    lengths = [len(p.input_ids) for p in prompts]
+    engine.prefill_tokens = max(lengths) + min(lengths)  # some batches of two, some of one
+    seen = []
+    engine.generate(prompts, params_for(setup), prefill_fn=lambda ps: (seen.append([len(p.input_ids) for p in ps]),
+                                                                       engine.default_prefill(ps))[1])
+    assert seen == token_batches(lengths, engine.prefill_tokens, length=lambda L: L)
+    assert any(len(b) > 1 for b in seen) and any(len(b) == 1 for b in seen)
+
+
+def test_prefixes_held_in_batches_plan_their_backward_and_gradients(setup):
+    """Defect (H200, img P = 8 and 64, overlapped): the train stage peaked 5.8 GB over its plan at P = 8 and ran out
+    of memory at P = 64. Prefixes held in batches (fused into the rollout prefill, or batched in training) keep
+    their K/V and last hidden state gradients from each micro-batch to the epoch's end, and their backward then
+    rebuilds one block over a whole batch: neither was planned. Both are now: `prefix_grads` in the train stage,
+    and the activations are the larger of a micro-batch's and that backward's transient (they never overlap)."""
+    params = params_for(setup)
+    run = lambda mode, **kw: cpu_runner(setup, mode, budget=2**40, micro_batch=8, kv_pool=16 * 2**20,
+                                        checkpointed=True, **kw)  # micro-batches at their (small) recompute form
+    runners = {"overlapped": run("overlapped"), "decomposed": run("decomposed",
+                                                                   plan_options={"batched_actor_prefix": False}),
+               "batched": run("decomposed", plan_options={"batched_actor_prefix": True})}
+    train = {}
+    for name, r in runners.items():
+        shape = r.shape(setup[1], params)
+        train[name] = r.memory_budget(shape, params).residents["train"]
+    r, lengths = runners["overlapped"], shape.prompt_lengths
+    t, size = r.actor.args.text, r.actor.output_weight.element_size()
+    grads = (shape.kv_bytes_per_token + t.hidden_size * size) * shape.prefix_tokens
+    assert train["overlapped"][PREFIX_GRADS] == train["batched"][PREFIX_GRADS] == grads
+    assert PREFIX_GRADS not in train["decomposed"]
+    rate = prefix_backward_rate(max(r._block_graph_estimates()))
+    micro = train["decomposed"]["activations"]  # the same micro-batches, nothing held in batches
+    assert train["overlapped"]["activations"] == max(micro, math.ceil(rate * batch_token_bound(
+        lengths, r.engine.prefill_tokens)))
+    assert train["batched"]["activations"] == max(micro, math.ceil(rate * batch_token_bound(
+        sorted(lengths), HELD_BATCH_TOKENS)))
+    r._prefix_backward_rate = big = 1000 * rate  # measured larger (test_a_measured_batched_backward_...): it counts
+    shape = r.shape(setup[1], params)
+    bound = batch_token_bound(lengths, r.engine.prefill_tokens)
+    assert r.memory_budget(shape, params).residents["train"]["activations"] == math.ceil(big * bound) > micro
+
+
+def test_a_measured_batched_backward_is_the_next_plans_rate(setup):
+    """What the held batches' backward allocated (its window, here stood in for) per padded token of the largest
+    held batch is the rate the next plan counts that backward at: the room for held prefixes shrinks by it."""
+    runner = runner_for(setup, "overlapped", budget=budget_for_room(setup, sum(form_bytes(setup)[GRAPH])))
+    big = 50 * sum(form_bytes(setup)[GRAPH])
+    runner.windows = ScriptedWindows({"whole_graph": 1000, "recompute": 1000, "micro_batch": 1000,
+                                      "prefix_backward": big})
+    first = step(runner, setup)
+    tokens = first.prefixes.largest_batch_tokens
+    assert tokens > 0 and "prefix_backward" in runner.windows.names
+    assert runner._prefix_backward_rate == big / tokens
+    assert first.schedule.memory["train_measured"]["prefix_backward"] == big
+    second = runner.plan(setup[1], params_for(setup))
+    bound = batch_token_bound(second.prefix_forms and [c.tokens for c in second.prefix_forms],
+                              runner.engine.prefill_tokens)
+    assert second.memory["residents"]["train"]["activations"] == math.ceil(big / tokens * bound)
+    assert second.memory["room_bytes"] < first.schedule.memory["room_bytes"]
+    assert [c.form for c in second.prefix_forms].count(NONE) > [c.form for c in first.schedule.prefix_forms].count(NONE)
+
+
+def test_with_fusion_a_prompt_alone_in_its_form_in_a_prefill_batch_takes_the_smaller_form(setup):
+    """Defect (H200, img P = 32, overlapped): one prompt held as a whole graph beside compact ones ran as a forward
+    of one prompt, which the compiled chains specialise, so it compiled anew inside the timed step (prefill 6.7 s
+    instead of 1.8). With fusion on, such a prompt is held in the batch's smaller form (graph -> compact here), the
+    schedule's forms say so, and the step gives what a step planned all compact gives (fusion's kernels both)."""
+    from torchplex.models import fusion
+
+    prompts = setup[1]
+    n = len(prompts)
+    runs = {}
+    fusion.enable(True, backend="aot_eager")
+    try:
+        for name, planned in (("demoted", [GRAPH] + [COMPACT] * (n - 1)), ("compact", [COMPACT] * n)):
+            runner = runner_for(setup, "overlapped", budget=2**40, kv_pool=64 * 2**20)
+            runner.plan = lambda ps, params, plan=runner.plan, f=planned: _forms(plan(ps, params), f)
+            runs[name] = step(runner, setup), list(runner.optimizer.grads)
+    finally:
+        fusion.enable(False)
+    (out, grads), (ref, ref_grads) = runs["demoted"], runs["compact"]
+    assert out.prefixes.demoted == {id(prompts[0]): (GRAPH, COMPACT)} and not ref.prefixes.demoted
+    assert [c.form for c in out.schedule.prefix_forms] == [COMPACT] * n
+    assert any("smaller form than planned" in r for r in out.schedule.reasons)
+    assert torch.equal(out.experience.tokens, ref.experience.tokens)
+    mask = out.experience.mask
+    torch.testing.assert_close(out.experience.old_logprobs[mask], ref.experience.old_logprobs[mask], rtol=RTOL, atol=0)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=RTOL, atol=1e-7)
+
+
+def _forms(schedule, forms):
+    """The schedule with these prefix forms (bytes as planned), for a test that needs a given mix."""
+    schedule.prefix_forms = [dataclasses.replace(c, form=f) for c, f in zip(schedule.prefix_forms, forms)]
+    return schedule

@@ -51,8 +51,10 @@ KV_POOL = 2 * 2**20
 
 
 def runner_for(setup, mode, checkpointed, budget=2**40, policy="auto", checkpoint_prefix=False):
+    # decomposed without the batched actor prefix: each micro-batch runs its prompts' prefixes, so they differ
     return cpu_runner(setup, mode, budget=budget, micro_batch=4, kv_pool=KV_POOL, checkpointed=checkpointed,
-                      recompute=policy, checkpoint_prefix=checkpoint_prefix)
+                      recompute=policy, checkpoint_prefix=checkpoint_prefix,
+                      plan_options={"batched_actor_prefix": False})
 
 
 def run_step(runner, setup, counting=False):
@@ -119,8 +121,6 @@ def test_recompute_choice_keeps_the_unwrapped_step(setup, plain, which):
     assert {"all": off == 0, "none": on == 0, "mix": on and off}[which]
     assert (out.train.recompute["on"], out.train.recompute["off"]) == (on, off)
     assert (log["on"], log["off"]) == (on, off)
-    # a training peak with whole graphs would overstate the recompute form the next step's budget counts
-    assert runner._train_measurable == (off == 0)
 
     assert torch.equal(out.experience.tokens, ref_out.experience.tokens)
     mask = out.experience.mask
@@ -174,8 +174,9 @@ def test_budget_counts_training_at_its_recompute_form(setup):
     """Item 4 of the brief: a checkpointed actor's first-step training activations are the recompute form (layer
     inputs, one layer's graph, logits), far below the whole-graph estimate, so held prefixes get their room."""
     params = SamplingParams(n=4, max_new_tokens=6, seed=3)
-    plain_runner = runner_for(setup, "overlapped", checkpointed=False)
-    ckpt_runner = runner_for(setup, "overlapped", checkpointed=True)
+    # decomposed: no prefix held in batches, whose backward would be the larger transient (test_memory_budget)
+    plain_runner = runner_for(setup, "decomposed", checkpointed=False)
+    ckpt_runner = runner_for(setup, "decomposed", checkpointed=True)
     shape = ckpt_runner.shape(setup[1], params)
     plain_shape = plain_runner.shape(setup[1], params)
     plain_act = plain_runner.memory_budget(plain_shape, params).residents["train"]["activations"]
@@ -318,3 +319,23 @@ def test_tensor_parallel_peers_agree_on_recompute():
     spawn(_agree_worker, 2, (free_port(), needs, results), timeout_s=60)
     assert results[0] == results[1] == [True, False, True]
     assert agree_on_recompute(False, None, torch.device("cpu")) is False
+
+
+@pytest.mark.parametrize("policy", ["always", "auto"])
+def test_training_learns_its_activations_from_recomputing_micro_batches_only(setup, policy):
+    """Defect (H200, img P = 8, overlapped): the warm-up step kept every micro-batch's whole graph, so the recompute
+    form the budget counts was never measured and the next step planned it from the estimate (9.0 GiB; 14.3 ran).
+    Each micro-batch is measured in its own window now: one that recomputed is what the next plan counts (the
+    largest seen); one that kept its whole graph used what was free by design and is not counted. The allocator's
+    counters are stood in for (CPU): a recomputing micro-batch peaks 5 MB above its entry, a whole graph 50 MB."""
+    from step_runners import ScriptedWindows
+
+    runner = runner_for(setup, "decomposed", checkpointed=True, policy=policy)  # budget 2**40: "auto" keeps graphs
+    runner.windows = ScriptedWindows({"recompute": 5_000_000, "whole_graph": 50_000_000, "prefix_backward": 0})
+    out, _ = run_step(runner, setup)
+    recomputed = policy == "always"
+    assert set(runner.windows.names) == {"recompute" if recomputed else "whole_graph", "prefix_backward"}
+    assert runner._train_activation_bytes == (5_000_000 if recomputed else None)
+    params = SamplingParams(n=4, max_new_tokens=6, seed=3)
+    act = runner.memory_budget(runner.shape(setup[1], params), params).residents["train"]["activations"]
+    assert (act == 5_000_000) == recomputed

@@ -219,9 +219,10 @@ class RuntimeConfig:
     # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket (CUDA graphs on a GPU);
     # needs a reference of plain tensors (tp 1, no FSDP2 sharding)
     ref_prefix_graphs: bool = False
-    # decomposed: the step's actor prefixes in one batched forward at the start of training, held for the first
-    # epoch's micro-batches as the train stage's memory allows, their backward one batched pass (planner.PlanOptions)
-    batched_actor_prefix: bool = False
+    # decomposed: the step's actor prefixes in batched forwards at the start of training, held for the first
+    # epoch's micro-batches as the train stage's memory allows, their backward one batched pass (planner.PlanOptions);
+    # false: one prefix forward and backward per micro-batch
+    batched_actor_prefix: bool = True
     # decomposed/overlapped: every prompt's reference prefix in batched no-grad forwards at the start of the ref stage,
     # their K/V held for the reference micro-batches' suffixes (planner.PlanOptions)
     batched_ref_prefix: bool = True

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from . import peak_memory
+
 METRICS_FILENAME = "metrics.jsonl"
 TENSORBOARD_DIRNAME = "tb"
 
@@ -347,7 +349,7 @@ class PhaseTimer:
         self._active = name
         if self._on_cuda:
             torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            peak_memory.reset_peak(self.device)
         start = time.perf_counter()
         try:
             yield
@@ -355,7 +357,7 @@ class PhaseTimer:
             if self._on_cuda:
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start
-            peak = torch.cuda.max_memory_allocated(self.device) if self._on_cuda else process_peak_rss_bytes()
+            peak = peak_memory.max_allocated(self.device) if self._on_cuda else process_peak_rss_bytes()
             self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
             self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), int(peak))
             self._active = None

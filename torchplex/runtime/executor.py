@@ -22,16 +22,19 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..components.captured_step import plain_tensors
+from ..components.peak_memory import PeakWindows
 from ..distributed.fsdp import gathered, reshard
 from ..models.qwen2_5_vl.parallelize import is_checkpointed
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
-from .memory_budget import (HEADROOM, NONE, UNPLANNED, MemoryBudget, agree_on_held_form, agree_on_recompute,
-                            device_capacity, kv_pool_bytes, needs_recompute, no_recompute_bytes, recompute_train_bytes,
-                            step_residents)
+from .memory_budget import (COMPACT, HEADROOM, NONE, PREFIX_GRADS, UNPLANNED, MemoryBudget, PrefixChoice,
+                            agree_on_held_form, agree_on_recompute, batch_token_bound, device_capacity,
+                            held_gradient_bytes, kv_pool_bytes, needs_recompute, no_recompute_bytes,
+                            prefix_backward_rate, recompute_train_bytes, step_residents)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
-from .overlap import DecodeWindowJobs, PrefixStore, fused_prefill, hold_prefixes, length_groups, rollout_prefill
+from .overlap import (HELD_BATCH_TOKENS, DecodeWindowJobs, PrefixStore, fused_prefill, hold_prefixes, length_groups,
+                      rollout_prefill, token_batches)
 from .phases import Stage
 from .planner import PlanOptions, Schedule, StepShape, holds_every_ref_prefix, plan_step
 from .prefix_graphs import PrefixGraphs
@@ -133,18 +136,24 @@ class StepRunner:
         # likewise for the compact form (overlap.CompactPrefix); until measured, one hidden state per decoder layer
         # (a trainable tower's block inputs per vision token besides)
         self._compact_bytes_per_token: float | None = None
-        # what a training stage allocated beyond its entry and the gradients, measured on CUDA (_stage); until
-        # then the budget's estimate (memory_budget); with recompute "auto", only a step whose every micro-batch
-        # recomputed is measured: the budget counts training at its recompute form (docs/memory.md)
+        # the largest training micro-batch's forward and backward at the recompute form the budget counts (without
+        # checkpointed blocks: any micro-batch), above what it found, measured on CUDA (peak_memory.PeakWindows) and
+        # kept as the largest seen; until then the budget's estimate (memory_budget.recompute_train_bytes)
         self._train_activation_bytes: int | None = None
-        self._train_measurable = True
-        self._measures_memory = self.device.type == "cuda"  # the allocator's counters exist (CUDA)
-        self._held_in_train = 0  # what the batched actor prefix allocated in this step's train stage (CUDA)
+        # the batched held prefixes' backward after an epoch (DecomposedScorer.finish_backward), above what it
+        # found, per padded token of the largest held batch: measured on CUDA, until then
+        # memory_budget.prefix_backward_rate's estimate
+        self._prefix_backward_rate: float | None = None
+        # decomposed's batched actor prefix forward in the train stage: its transient beyond what it holds (CUDA)
+        self._prefix_forward_bytes = 0
+        self.windows = PeakWindows.for_device(self.device)  # the allocator's counters (CUDA; None elsewhere)
         # the rollout's and the reference's last peak beyond their plans (residents and the prefixes really held):
         # the transients no group counts (decode's logits and sampling, a reference micro-batch, ...); the next
         # plans count them in the stage (memory_budget.UNPLANNED); CUDA only
         self._unplanned_bytes: dict[str, int] = {}
         self._stage_peaks: dict[str, int] = {}  # this step's, per stage (_stage)
+        self._stage_entry = 0  # what was allocated when the current stage began (CUDA)
+        self.failed_schedule: Schedule | None = None  # the last failed step's (run)
 
     def attach_memory(self, memory) -> None:
         if self.settings.plan.ref_prefix_in_window or self.settings.plan.ref_suffix_in_window:
@@ -234,6 +243,10 @@ class StepRunner:
         except BaseException as e:  # nothing of a failed step stays alive (its held prefix graphs above all)
             step.prefixes.clear()
             self.scorer.new_step()
+            # what it planned and what its stages peaked at, for the report of the failure (scale_bench's row)
+            schedule.memory["stage_peaks_measured"] = {**self._stage_peaks, **(
+                {str(step.stage): self.windows.peak()} if self.windows.counter is not None else {})}
+            self.failed_schedule = schedule
             e.add_note(f"in the {step.stage} stage of a step of {len(prompts)} prompts ({schedule.mode})")
             raise
         self._learn_unplanned(step)
@@ -265,8 +278,9 @@ class StepRunner:
     def _learn_unplanned(self, step: _Step) -> None:
         """The rollout's and the reference's peak beyond their plans (the stage's residents and the prefixes the step
         really held) become the stage's `unplanned` bytes in the next plans (measured on CUDA only: `_stage_peaks`).
-        Training is left to its activations measure (`_stage`): a micro-batch that skips its recompute uses what is
-        left by design, and counted here that would shrink the held prefixes step after step."""
+        Training's are measured against its entry and its windows instead (`_learn_train`): a micro-batch that
+        skips its recompute uses what is left by design, and counted here that would shrink the held prefixes step
+        after step."""
         residents = step.schedule.memory.get("residents", {})
         held = sum(b for b, _ in step.prefixes.graph_bytes.values()) + sum(
             b for b, _ in step.prefixes.compact_bytes.values())
@@ -311,6 +325,19 @@ class StepRunner:
                                               tokens, mbs * shape.max_new_tokens, t.vocab_size)
         elif train_act is None:
             train_act = math.ceil(rate * tokens + 4 * mbs * shape.max_new_tokens * t.vocab_size)
+        # prefixes held in batches (fused into the rollout prefill, or batched in training) bring two more: their
+        # gradients from the micro-batches, kept until the epoch's end, and the batched backward then (its
+        # transient is the activations' peak when larger than a micro-batch's: the two never overlap)
+        held_grads = 0
+        cap = self._held_batch_cap()
+        if cap:
+            rate_back = self._prefix_backward_rate or prefix_backward_rate(max(self._block_graph_estimates()))
+            # the rollout admits prompts in order; training batches them by length, data-parallel ranks in one batch
+            lengths = shape.prompt_lengths if self.settings.plan.mode == "overlapped" else sorted(shape.prompt_lengths)
+            bound = batch_token_bound(lengths, cap if self.dp_size == 1 else sum(lengths))
+            train_act = max(train_act, math.ceil(rate_back * bound), self._prefix_forward_bytes)
+            hidden_bytes = t.hidden_size * self.actor.output_weight.element_size()
+            held_grads = held_gradient_bytes(shape.kv_bytes_per_token, hidden_bytes, shape.prefix_tokens)
         pool_group = getattr(self.engine, "pool_group_bytes", None)
         one_group = pool_group(n, max(shape.prompt_lengths), shape.max_new_tokens) if pool_group else 0
         groups = min(len(shape.prompt_lengths), max(1, getattr(self.engine, "max_batch", n) // n))
@@ -322,6 +349,8 @@ class StepRunner:
         residents = step_residents(actor_bytes=nbytes(actor), reference_bytes=ref_bytes,
                                    optimizer_bytes=2 * nbytes(trainable), grad_bytes=nbytes(trainable),
                                    kv_pool_bytes=0, train_activation_bytes=train_act, managed=managed)
+        if held_grads:
+            residents["train"][PREFIX_GRADS] = held_grads
         budget = MemoryBudget(capacity, residents)
         if self.settings.kv_pool_from_budget and one_group:
             pool = kv_pool_bytes(groups * one_group, one_group, budget.stage_bytes("rollout"), budget.usable_bytes)
@@ -344,24 +373,14 @@ class StepRunner:
         with timeline.span(stage), (phase_timer.phase(stage) if phase_timer else nullcontext()):
             if self.memory is not None and stage in {row.phase for row in self.memory.plan.phases}:
                 self.memory.enter(stage)  # waits for this stage's groups, starts the next stage's prefetches
-            measure = stage is Stage.TRAIN and self._measures_memory
-            peaks = self._measures_memory and stage in (Stage.ROLLOUT, Stage.REF, Stage.TRAIN)
-            self._held_in_train = 0
-            if peaks:  # the stage's peak (_learn_unplanned); in training also what it allocates beyond what it
-                torch.cuda.synchronize(self.device)  # found: its activations and the gradients
-                entry = torch.cuda.memory_allocated(self.device)
-                torch.cuda.reset_peak_memory_stats(self.device)
+            # the stage's peak (_learn_unplanned); training's windows inside it (_learn_train); the counters are the
+            # allocator's host-side books, read without a device sync
+            peaks = self.windows.counter is not None and stage in (Stage.ROLLOUT, Stage.REF, Stage.TRAIN)
+            if peaks:
+                self._stage_entry = self.windows.begin()
             yield
             if peaks:
-                torch.cuda.synchronize(self.device)
-                self._stage_peaks[str(stage)] = torch.cuda.max_memory_allocated(self.device)
-            if measure:
-                grads = _local_bytes(p for p in self.actor.parameters() if p.requires_grad)
-                if self._train_measurable:
-                    # less the batched actor prefix held in the stage: the budget counts it in the train room, not
-                    # in the activations (counted in both, the next step's room would shrink by what it held)
-                    peak = self._stage_peaks[str(stage)]
-                    self._train_activation_bytes = max(0, peak - entry - grads - self._held_in_train)
+                self._stage_peaks[str(stage)] = self.windows.peak()
 
     # ---- the stages ------------------------------------------------------------------------------------------
     def _vision(self, step: _Step) -> None:
@@ -384,8 +403,27 @@ class StepRunner:
                                                 prefill_fn=prefill, **jobs.hooks())
         finally:
             jobs.finish()  # the window's results are read from here on
+        self._record_demotions(step)
         self.engine.release()
         reshard(self.actor)
+
+    def _record_demotions(self, step: _Step) -> None:
+        """The schedule's forms as the fused prefill held them (overlap.fused_prefill demotes a prompt alone in
+        its form in a prefill batch), each change with its reason."""
+        demoted = step.prefixes.demoted
+        forms = step.schedule.prefix_forms
+        for i, c in enumerate(forms):
+            if id(step.prompts[c.prompt]) not in demoted:
+                continue
+            planned, held = demoted[id(step.prompts[c.prompt])]
+            rate = self._compact_bytes_per_token or self._compact_estimate()
+            nbytes = math.ceil(rate * c.tokens) if held == COMPACT else 0
+            forms[i] = PrefixChoice(c.prompt, held, c.tokens, nbytes,
+                                    f"planned {planned}, held {held}: alone in its form in its prefill batch, a "
+                                    "compiled forward of one prompt would compile anew (overlap.fused_prefill)")
+        if demoted:
+            step.schedule.reasons.append(f"{len(demoted)} prompt(s) held in a smaller form than planned: alone in "
+                                         "their form in a prefill batch (overlap.fused_prefill)")
 
     def _reference(self, step: _Step) -> None:
         # Every rank scores all its samples here (equal numbers: the trainer gives ranks equal shares), so
@@ -419,24 +457,63 @@ class StepRunner:
             keep = step.experience.keep_groups.tolist()
             held = {id(step.prompts[c.prompt]): c.form for c in choices if c.form != NONE and keep[c.prompt]}
         if held:  # batched_actor_prefix: the kept prompts' actor prefixes in batched forwards, held for epoch 0
-            before = torch.cuda.memory_allocated(self.device) if self._measures_memory else 0
             prefill = fused_prefill(self.scorer, self.actor, step.prefixes, held)
             prompts = [p for p in step.prompts if id(p) in held]
-            # one batch per group of similar lengths (little padding held); data-parallel ranks run one batch each,
-            # as their FSDP2 gathers must match in number whatever their prompts' lengths
-            for batch in (length_groups(prompts) if self.dp_size == 1 else [prompts]):
-                prefill(batch)
-            if self._measures_memory:
-                self._held_in_train = torch.cuda.memory_allocated(self.device) - before
+            # one batch per group of similar lengths (little padding held) of at most HELD_BATCH_TOKENS (their
+            # backward's transient: memory_budget.batch_token_bound); data-parallel ranks run one batch each, as
+            # their FSDP2 gathers must match in number whatever their prompts' lengths
+            batches = ([b for g in length_groups(prompts) for b in token_batches(g, HELD_BATCH_TOKENS)]
+                       if self.dp_size == 1 else [prompts])
+            # its transient beyond what the batches keep held (growth: what stays allocated): the train stage's
+            # peak when larger than a micro-batch's or the held batches' backward (_learn_train)
+            stays = self.windows.counter.allocated if self.windows.counter is not None else None
+            with self.windows.window("prefix_forward", growth=stays):
+                for batch in batches:
+                    prefill(batch)
         step.result = train_phase(self.actor, self.scorer, step.experience, self.optimizer, self.lr_scheduler,
                                   st.loss, temperature=st.temperature, micro_batch_size=st.micro_batch_size,
                                   whole_groups=step.schedule.mode != "serial", ppo_epochs=st.ppo_epochs,
                                   grad_clip=st.grad_clip, max_len=step.params.max_new_tokens, dp_size=self.dp_size,
-                                  dp_group=self.dp_group, recompute_for=self._recompute_for(step))
-        counts = step.result.recompute
-        step.schedule.memory.setdefault("recompute", {}).update(counts)
-        # a peak with whole graphs is not what the budget counts (the recompute form): keep the last all-recompute one
-        self._train_measurable = not (counts["off"] and is_checkpointed(self.actor))
+                                  dp_group=self.dp_group, recompute_for=self._recompute_for(step),
+                                  windows=self.windows if self.windows.counter is not None else None)
+        step.schedule.memory.setdefault("recompute", {}).update(step.result.recompute)
+        self._learn_train(step)
+
+    def _learn_train(self, step: _Step) -> None:
+        """What the train stage's windows measured (CUDA), for the next plans: the micro-batches' activations at
+        the recompute form (a micro-batch that kept its whole graph used what was free by design, so it is not
+        counted), the largest seen; the batched prefix backward's rate per padded token of the largest held batch;
+        the batched prefix forward's transient; and the stage's peak outside those windows beyond its entry, the
+        gradients and the prefixes held in training (the train stage's `unplanned` bytes)."""
+        above = self.windows.above
+        names = ("recompute",) if is_checkpointed(self.actor) else ("whole_graph", "micro_batch")
+        act = max((above[n] for n in names if n in above), default=None)
+        if act is not None:
+            self._train_activation_bytes = max(act, self._train_activation_bytes or 0)
+        if "prefix_backward" in above and step.prefixes.largest_batch_tokens:
+            self._prefix_backward_rate = above["prefix_backward"] / step.prefixes.largest_batch_tokens
+        if "prefix_forward" in above:
+            self._prefix_forward_bytes = above["prefix_forward"]
+        if self.windows.counter is not None:  # and what peaked outside those windows (the stage's unplanned bytes)
+            elastic = ("whole_graph",) if is_checkpointed(self.actor) else ()
+            grads = _local_bytes(p for p in self.actor.parameters() if p.requires_grad)
+            largest = max((b for n, b in above.items() if n not in elastic), default=0)
+            rigid = self.windows.peak(excluding=elastic)
+            held = self.windows.stayed.get("prefix_forward", 0)  # the batched prefixes: in the train room
+            self._unplanned_bytes[str(Stage.TRAIN)] = max(0, rigid - self._stage_entry - grads - held - largest)
+        step.schedule.memory["train_measured"] = {
+            **above, "largest_held_batch_tokens": step.prefixes.largest_batch_tokens,
+            "prefix_forward_held": self.windows.stayed.get("prefix_forward", 0)}
+
+    def _held_batch_cap(self) -> int:
+        """The most padded tokens one batch of held prefixes takes (0: this runner holds none in batches): the
+        rollout's prefill batch (overlapped, fused) or HELD_BATCH_TOKENS (decomposed, batched_actor_prefix)."""
+        plan = self.settings.plan
+        if plan.mode == "overlapped" and plan.fuse_actor_prefix and self.engine.capabilities.prefill_hook:
+            return getattr(self.engine, "prefill_tokens", HELD_BATCH_TOKENS)
+        if plan.mode == "decomposed" and plan.batched_actor_prefix:
+            return HELD_BATCH_TOKENS
+        return 0
 
     def _recompute_for(self, step: _Step):
         """The train phase's per-micro-batch choice (memory.recompute): "always" True; "auto" True unless the

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..components.optim import clip_grad_norm
+from ..components.peak_memory import PeakWindows, grad_bytes
 from ..distributed.fsdp import reshard
 from ..models.qwen2_5_vl.parallelize import recompute
 from ..rl.advantages import compute_advantages, dynamic_sampling_keep
@@ -223,11 +224,14 @@ def equal_micro_batches(batches: list[list[int]], exp: Experience, micro_batch_s
 def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler, loss_cfg: PolicyLossConfig,
                 *, temperature: float, micro_batch_size: int, whole_groups: bool, ppo_epochs: int,
                 grad_clip: float, max_len: int, dp_size: int = 1, dp_group=None,
-                recompute_for: Callable[[list[int], ScoreRequest], bool] | None = None) -> TrainResult:
+                recompute_for: Callable[[list[int], ScoreRequest], bool] | None = None,
+                windows: PeakWindows | None = None) -> TrainResult:
     """PPO-clip epochs over the kept samples with gradient accumulation; one optimizer step per epoch.
 
     recompute_for(micro-batch, request), asked before each forward: whether the actor's checkpointed blocks
     recompute in its backward (models/qwen2_5_vl/parallelize.recompute); None leaves them as they are.
+    windows: measures each micro-batch's forward and backward ("recompute", "whole_graph", or "micro_batch" without
+    a choice) and the batched prefix's backward ("prefix_backward"), above what they found (runtime/peak_memory).
 
     Every micro-batch loss is normalised by the whole mini-batch's totals (summed over data-parallel ranks), so
     accumulating micro-batches equals one full-batch step, whatever the partition.
@@ -242,6 +246,9 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
     if exp.old_logprobs is None:
         exp.old_logprobs = torch.zeros(exp.tokens.shape, dtype=torch.float32, device=exp.tokens.device)
     result = TrainResult(stats=None)
+    trainable = [p for p in actor.parameters() if p.requires_grad]
+    window = (lambda name: windows.window(name, growth=lambda: grad_bytes(trainable))) if windows else (
+        lambda name: nullcontext())
     epoch_stats: list[LossStats] = []
     entropies = []
     for epoch in range(ppo_epochs):
@@ -253,31 +260,33 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
             width = req.tokens.shape[1]
             bonus = loss_cfg.entropy_coef != 0  # the entropy enters the loss (with its gradient) in every epoch
             on = recompute_for(mb, req) if recompute_for is not None else None
-            with recompute(on) if on is not None else nullcontext():
-                logp, entropy = scorer.score(actor, req, temperature, with_entropy=epoch == 0 or bonus)
-            if on is not None:
-                result.recompute["on" if on else "off"] += 1
-            old = exp.old_logprobs[idx, :width]
-            if epoch == 0 and live:  # on-policy: the epoch-0 forward at θk is the old policy
-                exp.old_logprobs[idx, :width] = old = logp.detach().float()
-            if epoch == 0:  # detached: the logged mean must not keep this micro-batch's graph alive
-                logged = None if entropy is None else entropy.detach()
-                entropies.append((logged, req.mask if live else torch.zeros_like(req.mask)))
-            ref = exp.ref_logprobs[idx, :width] if exp.ref_logprobs is not None else None
-            loss, stats = policy_loss(logp.float(), old, exp.advantages[idx], req.mask,
-                                      loss_cfg, ref_logprobs=ref, entropy=entropy if bonus else None,
-                                      total_tokens=totals.total_tokens, total_seqs=totals.total_seqs,
-                                      max_len=totals.max_len)
-            if not live:  # a pass that only keeps this rank in step with the others: no gradient, no statistics
-                loss = loss * 0.0
-                stats = dataclasses.replace(stats, loss=stats.loss * 0, pg_loss=stats.pg_loss * 0,
-                                            num_tokens=stats.num_tokens * 0)  # no weight in any mean
-            # FSDP2 averages gradients over data-parallel ranks; the loss is already normalised globally.
-            scorer.backward(loss * dp_size)  # decomposed: the suffix part, then the prefix part
-            del logp, loss, entropy  # the spent graph (its nodes keep the prefix leaves) goes before the next forward
+            with window("micro_batch" if on is None else "recompute" if on else "whole_graph"):  # its peak
+                with recompute(on) if on is not None else nullcontext():
+                    logp, entropy = scorer.score(actor, req, temperature, with_entropy=epoch == 0 or bonus)
+                if on is not None:
+                    result.recompute["on" if on else "off"] += 1
+                old = exp.old_logprobs[idx, :width]
+                if epoch == 0 and live:  # on-policy: the epoch-0 forward at θk is the old policy
+                    exp.old_logprobs[idx, :width] = old = logp.detach().float()
+                if epoch == 0:  # detached: the logged mean must not keep this micro-batch's graph alive
+                    logged = None if entropy is None else entropy.detach()
+                    entropies.append((logged, req.mask if live else torch.zeros_like(req.mask)))
+                ref = exp.ref_logprobs[idx, :width] if exp.ref_logprobs is not None else None
+                loss, stats = policy_loss(logp.float(), old, exp.advantages[idx], req.mask,
+                                          loss_cfg, ref_logprobs=ref, entropy=entropy if bonus else None,
+                                          total_tokens=totals.total_tokens, total_seqs=totals.total_seqs,
+                                          max_len=totals.max_len)
+                if not live:  # a pass that only keeps this rank in step with the others: no gradient, no statistics
+                    loss = loss * 0.0
+                    stats = dataclasses.replace(stats, loss=stats.loss * 0, pg_loss=stats.pg_loss * 0,
+                                                num_tokens=stats.num_tokens * 0)  # no weight in any mean
+                # FSDP2 averages gradients over data-parallel ranks; the loss is already normalised globally.
+                scorer.backward(loss * dp_size)  # decomposed: the suffix part, then the prefix part
+                del logp, loss, entropy  # the spent graph (it keeps the prefix leaves) goes before the next forward
             epoch_stats.append(stats)
-        scorer.finish_backward()  # decomposed: the batched fused prefix's part, once every slice has its gradient
-        grad_norm = clip_grad_norm([p for p in actor.parameters() if p.requires_grad], grad_clip)
+        with window("prefix_backward"):
+            scorer.finish_backward()  # decomposed: the batched fused prefix's part, once every slice has its gradient
+        grad_norm = clip_grad_norm(trainable, grad_clip)
         result.grad_norms.append(grad_norm)
         finite = math.isfinite(grad_norm) and all(bool(torch.isfinite(s.loss)) for s in epoch_stats)
         if dp_size > 1:  # one rank's non-finite loss must stop every rank's step, or the FSDP shards diverge

@@ -57,6 +57,7 @@ from typing import Iterator
 
 import torch
 
+from ..components import peak_memory
 from .memory_copy import (CopyEngine, CudaStreamCopyEngine, DoneTicket, FutureTicket, HostArena,  # noqa: F401
                           NoCopyEngine, NoTransferCopyEngine, StorageMove, ThreadCopyEngine, Ticket,
                           default_copy_engine)
@@ -192,7 +193,7 @@ class MemoryManager:
             + sum(self.size[n] for n in row.needed if self.groups[n].kind == "transient")
             + (0 if row.drain else in_flight))
         if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+            peak_memory.reset_peak(self.device)
         self.records.append(record)
         return record
 
@@ -271,7 +272,7 @@ class MemoryManager:
     def close(self) -> None:
         """End the current phase's measurement (called by `enter`; call it after the step's last phase)."""
         if self._current is not None and self.device.type == "cuda":
-            self._current.measured_peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            self._current.measured_peak_bytes = peak_memory.max_allocated(self.device)
             self._current.measured_reserved_bytes = torch.cuda.max_memory_reserved(self.device)
         self._current = None
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 GRAPH, COMPACT, NONE = "graph", "compact", "none"
 HELD_STAGES = ("rollout", "ref", "train")  # a fused prefix is held from the rollout prefill to its training
 UNPLANNED = "unplanned"  # a stage's peak beyond its groups and held prefixes, measured by the last step (CUDA)
+PREFIX_GRADS = "prefix_grads"  # held batched prefixes' gradients, kept from their micro-batch to the epoch's end
 HEADROOM = 0.05  # of capacity, for the allocator's fragmentation and the small tensors no group counts
 # what to change when a step does not fit, in the order a user reaches for them
 FIT_KEYS = ("data.prompts_per_step", "rollout.n_samples", "rollout.max_new_tokens", "rollout.kv_pool_gib",
@@ -89,7 +90,7 @@ class MemoryBudget:
         """Raise BatchTooLargeError when a stage's groups exceed the usable budget. Activations (an estimate until
         training measured them on a GPU) count in the room only: a wrong guess fuses fewer prompts, it does not
         refuse a step that would have run."""
-        measured = ("activations", UNPLANNED)
+        measured = ("activations", UNPLANNED, PREFIX_GRADS)  # PREFIX_GRADS: none when nothing is held
         need = lambda s: self.stage_bytes(s) - sum(self.residents.get(s, {}).get(g, 0) for g in measured)
         over = [(s, need(s)) for s in HELD_STAGES if need(s) > self.usable_bytes]
         if not over:
@@ -191,6 +192,39 @@ def recompute_train_bytes(compact_bytes_per_token: float, layer_bytes_per_token:
     block whose graph the backward rebuilds at a time, plus the fp32 logits."""
     return (math.ceil((compact_bytes_per_token + layer_bytes_per_token) * tokens)
             + logits_bytes(response_tokens, vocab_size))
+
+
+BACKWARD_LAYERS = 6  # H200, 7B, img P = 32: the backward of 15,750 held tokens took 17.5 GiB, 5.7 layers' graphs
+
+
+def prefix_backward_rate(layer_bytes_per_token: float) -> float:
+    """Bytes per padded token of a held batch that its backward allocates at once, before it was measured: the
+    compact form rebuilds one block's graph over the whole batch and makes that graph's gradients beside it, a
+    trainable tower's blocks likewise, with the weights' gradients of the blocks in flight (BACKWARD_LAYERS
+    decoder layers' graphs, measured; the measured rate replaces it from the first step that held a batch)."""
+    return BACKWARD_LAYERS * layer_bytes_per_token
+
+
+def held_gradient_bytes(kv_bytes_per_token: int, hidden_bytes: int, prefix_tokens: int) -> int:
+    """What the micro-batches' backward leaves for held batched prefixes until the epoch's end: the gradient of each
+    prompt token's K/V in every layer and of its last hidden state (DeferredPrefix.gradients), at most every
+    prompt's (the prompts held are chosen after this is counted)."""
+    return (kv_bytes_per_token + hidden_bytes) * prefix_tokens
+
+
+def batch_token_bound(lengths, cap: int) -> int:
+    """The most padded tokens a batch of consecutive `lengths` can take when each batch holds at most `cap`
+    tokens (a longer one alone): the largest count x longest over every run that fits, for any cut into batches
+    (the engine's prefill batches are also cut by its pool's free groups)."""
+    best = 0
+    for i in range(len(lengths)):
+        total, longest, j = 0, 0, i
+        while j < len(lengths) and (j == i or total + lengths[j] <= cap):
+            total += lengths[j]
+            longest = max(longest, lengths[j])
+            j += 1
+        best = max(best, (j - i) * longest)
+    return best
 
 
 def needs_recompute(est_bytes: int, free_bytes: int, margin_bytes: int) -> bool:

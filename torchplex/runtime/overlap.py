@@ -55,6 +55,10 @@ class PrefixStore:
         # from rollout to training, the autograd graph and the K/V, each storage once (SavedBytes)
         self.graph_bytes: dict[int, tuple[int, int]] = {}
         self.compact_bytes: dict[int, tuple[int, int]] = {}  # likewise for the compact form (CompactPrefix)
+        # the padded tokens of the largest batch held with autograd (its backward waits for the epoch's end:
+        # DecomposedScorer.finish_backward; its transient is measured per such token)
+        self.largest_batch_tokens = 0
+        self.demoted: dict[int, tuple[str, str]] = {}  # id(prompt) -> (planned form, the form it was held in)
 
     def _count(self, model_id: int, delta: int) -> None:
         now = self._kv_bytes.get(model_id, 0) + delta
@@ -206,12 +210,26 @@ def fused_prefill(scorer, model, store: PrefixStore, forms: dict[int, str] | Non
     (the engine gets the detached state). `scorer` is the step's DecomposedScorer: its prefix reads the frozen
     tower's cached encodings, and it takes the held parts back when training scores the prompts. `forms`: id of
     each prompt -> its holding form from the schedule (memory_budget: "graph", "compact", "none"; None: all
-    graph). The prompts of one prefill run as one batch per form, so an unfused prompt keeps no graph."""
+    graph). The prompts of one prefill run as one batch per form, so an unfused prompt keeps no graph.
+
+    With fusion on (models/fusion.py), a form with grad that only one prompt of a prefill batch of several has takes
+    the next smaller form there (graph -> compact if the batch has compact prompts, else none; compact -> none):
+    a compiled chain specialises a batch of one, so that forward would compile anew inside the step (H200, img
+    P = 32: the prefill took 6.7 s instead of 1.8). The smaller form holds less, so the plan's room still holds;
+    `store.demoted` records each change."""
 
     def prefill(prompts):
+        form_of = {id(p): "graph" if forms is None else forms.get(id(p), "none") for p in prompts}
+        if fusion.enabled() and len(prompts) > 1:
+            count = lambda form: sum(f == form for f in form_of.values())
+            for form, smaller in (("graph", "compact" if count("compact") else "none"), ("compact", "none")):
+                for p in prompts:
+                    if form_of[id(p)] == form and count(form) == 1:
+                        form_of[id(p)] = smaller
+                        store.demoted[id(p)] = (form, smaller)
         by_form: dict[str, list] = {}
-        for p in prompts:
-            by_form.setdefault("graph" if forms is None else forms.get(id(p), "none"), []).append(p)
+        for p in prompts:  # in the engine's order within each form: the batches a plan of those forms would run
+            by_form.setdefault(form_of[id(p)], []).append(p)
         states = {form: _run(form, ps) for form, ps in by_form.items()}
         if len(states) == 1:
             return next(iter(states.values()))
@@ -236,6 +254,9 @@ def fused_prefill(scorer, model, store: PrefixStore, forms: dict[int, str] | Non
             for b, p in enumerate(prompts):
                 part = state if len(prompts) == 1 else prompt_part(state, b, len(p.input_ids))
                 store.put(model, p, part, batched=len(prompts) > 1)
+        if len(prompts) > 1:
+            padded = padded_tokens([len(p.input_ids) for p in prompts])
+            store.largest_batch_tokens = max(store.largest_batch_tokens, padded)
         tokens = sum(len(p.input_ids) for p in prompts)
         counts = store.graph_bytes if form == "graph" else store.compact_bytes
         held, held_tokens = counts.get(id(model), (0, 0))
@@ -246,16 +267,45 @@ def fused_prefill(scorer, model, store: PrefixStore, forms: dict[int, str] | Non
     return prefill
 
 
-def length_groups(prompts: Sequence, ratio: float = 1.25) -> list[list]:
+def prompt_length(p) -> int:
+    return len(p.input_ids)
+
+
+def length_groups(prompts: Sequence, ratio: float = 1.25, length: Callable = prompt_length) -> list[list]:
     """The prompts in ascending length, cut where one is longer than `ratio` times its group's shortest. A batched
     prefix forward right-pads every prompt to its batch's longest, so one batch per group keeps what it holds within
     `ratio` of what the memory budget counts (a held form's rate times each prompt's own length)."""
     groups: list[list] = []
-    for p in sorted(prompts, key=lambda p: len(p.input_ids)):
-        if not groups or len(p.input_ids) > ratio * len(groups[-1][0].input_ids):
+    for p in sorted(prompts, key=length):
+        if not groups or length(p) > ratio * length(groups[-1][0]):
             groups.append([])
         groups[-1].append(p)
     return groups
+
+
+# padded prompt tokens per batch of prefixes held with autograd in training (batched_actor_prefix), the rollout
+# engine's prefill batch (RolloutEngine.prefill_tokens) likewise: the batch's backward recomputes one block over all
+# of them at a time (compact form), a transient the budget plans per padded token
+HELD_BATCH_TOKENS = 16384
+
+
+def token_batches(items: Sequence, max_tokens: int, length: Callable = prompt_length) -> list[list]:
+    """`items` in order, cut into batches of at most `max_tokens` tokens each (one item longer than that alone), as
+    the rollout engine admits prompts into one prefill."""
+    batches: list[list] = []
+    left = 0
+    for item in items:
+        if not batches or length(item) > left:
+            batches.append([])
+            left = max_tokens
+        batches[-1].append(item)
+        left -= length(item)
+    return batches
+
+
+def padded_tokens(lengths: Sequence[int]) -> int:
+    """Tokens of one right-padded batch of these lengths."""
+    return len(lengths) * max(lengths) if lengths else 0
 
 
 REF_PREFIX_TOKENS = 65536  # padded prompt tokens per batched no-grad prefix forward (~5 GB of transients at 7B)
