@@ -469,3 +469,31 @@ def _forms(schedule, forms):
     """The schedule with these prefix forms (bytes as planned), for a test that needs a given mix."""
     schedule.prefix_forms = [dataclasses.replace(c, form=f) for c, f in zip(schedule.prefix_forms, forms)]
     return schedule
+
+
+def test_a_demotion_within_training_is_recorded_in_the_training_forms(setup):
+    """decomposed's batched actor prefix runs the same fused prefill at the start of training: a prompt it holds in
+    a smaller form than planned is recorded in the schedule's training forms, not only in the store."""
+    from torchplex.models import fusion
+
+    prompts = setup[1]
+    n = len(prompts)
+    fusion.enable(True, backend="aot_eager")
+    try:
+        runner = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=8, kv_pool=64 * 2**20)
+
+        def plan(ps, params, plan=runner.plan):
+            s = plan(ps, params)
+            s.train_prefix_forms = [dataclasses.replace(c, form=f) for c, f in
+                                    zip(s.train_prefix_forms, [COMPACT] * (n - 1) + [GRAPH])]
+            return s
+
+        runner.plan = plan
+        out = step(runner, setup)
+    finally:
+        fusion.enable(False)
+    demoted = out.prefixes.demoted
+    assert demoted, "the lone graph prompt shares a training batch with compact ones here"
+    assert list(demoted.values()) == [(GRAPH, COMPACT)]
+    assert [c.form for c in out.schedule.train_prefix_forms] == [COMPACT] * n
+    assert any("smaller form than planned" in r for r in out.schedule.reasons)

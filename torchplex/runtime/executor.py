@@ -403,27 +403,26 @@ class StepRunner:
                                                 prefill_fn=prefill, **jobs.hooks())
         finally:
             jobs.finish()  # the window's results are read from here on
-        self._record_demotions(step)
+        self._record_demotions(step, step.schedule.prefix_forms)
         self.engine.release()
         reshard(self.actor)
 
-    def _record_demotions(self, step: _Step) -> None:
-        """The schedule's forms as the fused prefill held them (overlap.fused_prefill demotes a prompt alone in
-        its form in a prefill batch), each change with its reason."""
-        demoted = step.prefixes.demoted
-        forms = step.schedule.prefix_forms
+    def _record_demotions(self, step: _Step, forms: list[PrefixChoice]) -> None:
+        """`forms` (the schedule's rollout or training ones) as the fused prefill held them (overlap.fused_prefill
+        demotes a prompt alone in its form in a prefill batch), each change with its reason."""
+        changed = 0
         for i, c in enumerate(forms):
-            if id(step.prompts[c.prompt]) not in demoted:
+            planned, held = step.prefixes.demoted.get(id(step.prompts[c.prompt]), (c.form, c.form))
+            if held == c.form:
                 continue
-            planned, held = demoted[id(step.prompts[c.prompt])]
             rate = self._compact_bytes_per_token or self._compact_estimate()
-            nbytes = math.ceil(rate * c.tokens) if held == COMPACT else 0
-            forms[i] = PrefixChoice(c.prompt, held, c.tokens, nbytes,
+            forms[i] = PrefixChoice(c.prompt, held, c.tokens, math.ceil(rate * c.tokens) if held == COMPACT else 0,
                                     f"planned {planned}, held {held}: alone in its form in its prefill batch, a "
                                     "compiled forward of one prompt would compile anew (overlap.fused_prefill)")
-        if demoted:
-            step.schedule.reasons.append(f"{len(demoted)} prompt(s) held in a smaller form than planned: alone in "
-                                         "their form in a prefill batch (overlap.fused_prefill)")
+            changed += 1
+        if changed:
+            step.schedule.reasons.append(f"{changed} prompt(s) held in a smaller form than planned: alone in their "
+                                         "form in a prefill batch (overlap.fused_prefill)")
 
     def _reference(self, step: _Step) -> None:
         # Every rank scores all its samples here (equal numbers: the trainer gives ranks equal shares), so
@@ -470,6 +469,7 @@ class StepRunner:
             with self.windows.window("prefix_forward", growth=stays):
                 for batch in batches:
                     prefill(batch)
+            self._record_demotions(step, step.schedule.train_prefix_forms)
         step.result = train_phase(self.actor, self.scorer, step.experience, self.optimizer, self.lr_scheduler,
                                   st.loss, temperature=st.temperature, micro_batch_size=st.micro_batch_size,
                                   whole_groups=step.schedule.mode != "serial", ppo_epochs=st.ppo_epochs,
