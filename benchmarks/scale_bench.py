@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import oom_sites  # noqa: E402
 from benchmarks.bench_runtime import bench_config  # noqa: E402
 from benchmarks.step_bench import (NullTokenizer, bench_flavor, build_policy, long_tail_stops, make_prompt,  # noqa: E402
                                    sync)
@@ -211,7 +212,7 @@ def recompute_record(schedule) -> dict:
     their whole graph ("off"), and for each choice the estimate of its whole graph against the free bytes it was
     compared with (GiB; the free bytes less the headroom), so a peak over the plan shows which choice ran close."""
     rc = schedule.memory.get("recompute", {})
-    return {"on": rc.get("on", 0), "off": rc.get("off", 0),
+    return {"on": rc.get("on", 0), "off": rc.get("off", 0), "scale": rc.get("scale", 1.0),
             "estimate_gib": [b / 2**30 for b in rc.get("estimates", [])],
             "free_gib": [b / 2**30 for b in rc.get("free_bytes", [])]}
 
@@ -291,8 +292,10 @@ def parse(argv=None):
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="model.activation_checkpointing: the actor's decoder layers and vision blocks recompute")
     ap.add_argument("--padded", action="store_true", help="runtime.packed_scoring false: score padded rows")
-    ap.add_argument("--profile", default="", help="P:MODE: one more step of that row under torch.profiler "
-                    "(kernel time by category per phase, in the row's `profile`)")
+    ap.add_argument("--profile", default="", help="P:MODE[,MODE...]: one more step of each of those rows under "
+                    "torch.profiler (kernel time by category per phase, in the row's `profile`)")
+    ap.add_argument("--oom-sites", action="store_true",
+                    help="record allocation stacks (slower host): a row that fails keeps its live memory by site")
     ap.add_argument("--plot-from", nargs="+", default=[],
                     help="results files of earlier runs: only draw their rows (one workload) into --plot and stop")
     ap.add_argument("--watchdog-s", type=int, default=0,
@@ -310,8 +313,9 @@ def parse(argv=None):
     a.mean_response = w["mean_response"] if a.mean_response < 0 else a.mean_response
     a.prompt_list = [int(x) for x in a.prompts.split(",") if x]
     a.mode_list = [m for m in a.modes.split(",") if m]
-    a.profile = (int(a.profile.split(":")[0]), a.profile.split(":")[1]) if a.profile else None
-    unknown = set(a.mode_list) - set(MODES)
+    a.profile = ((int(a.profile.split(":")[0]), set(a.profile.split(":")[1].split(","))) if a.profile
+                 else (0, set()))
+    unknown = (set(a.mode_list) | a.profile[1]) - set(MODES)
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     return a
@@ -334,6 +338,8 @@ def main(argv=None) -> dict:
     args = bench_flavor(a.geometry)
     peak = matmul_peak(device)  # the dense matmul rate the rows' MFU divide by, measured in this process
     print(f"[scale_bench] dense matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+    if a.oom_sites and not oom_sites.record():
+        print("[scale_bench] --oom-sites: no CUDA device, nothing recorded", flush=True)
     actor, reference, optimizer = build_policy(args, dtype, device, a.freeze_vision, a.fused)
     if a.activation_checkpointing:
         apply_activation_checkpointing(actor)
@@ -404,6 +410,8 @@ def main(argv=None) -> dict:
                     row["failed_step"] = {"memory": failed.memory,
                                           "forms": Counter(c.form for c in failed.prefix_forms),
                                           "train_forms": Counter(c.form for c in failed.train_prefix_forms)}
+                if a.oom_sites:  # the allocator's live blocks by allocation site, at the failed allocation
+                    row["oom_sites"] = oom_sites.last()
                 print(f"[scale_bench] {a.workload} P={P} {mode} failed:\n{traceback.format_exc(limit=3)}", flush=True)
                 if mode in runners:  # a fresh runner for the next P: nothing of a failed step is reused
                     close(runners.pop(mode))
@@ -415,7 +423,7 @@ def main(argv=None) -> dict:
                     torch.cuda.empty_cache()
             rows.append(row)
             out.write_text(json.dumps(result, indent=2))  # after every row: a run stopped at its limit keeps its rows
-            if row["ok"] and a.profile == (P, mode):  # after the row is safe: parsing a 7B profile takes minutes
+            if row["ok"] and P == a.profile[0] and mode in a.profile[1]:  # after the row is safe: parsing a 7B profile takes minutes
                 try:
                     profile_row(row, P, runners[mode], engine, prompts, params, device)
                 finally:

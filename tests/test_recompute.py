@@ -339,3 +339,70 @@ def test_training_learns_its_activations_from_recomputing_micro_batches_only(set
     params = SamplingParams(n=4, max_new_tokens=6, seed=3)
     act = runner.memory_budget(runner.shape(setup[1], params), params).residents["train"]["activations"]
     assert (act == 5_000_000) == recomputed
+
+
+def test_whole_graph_estimates_learn_what_the_kept_graphs_took(setup):
+    """Defect (H200, 7B, vid P = 16, both decomposed modes): a micro-batch whose whole-graph estimate (17.1 GB) just
+    fit what was free less the margin (17.1 of 24.6 GB free) kept its graph and ran out of memory: the estimate's
+    rate is the prefix's graph per token, and a suffix forward takes more. What each kept graph measured against its
+    estimate now scales the next steps' estimates (never below 1). Stand-in counters (CPU): every whole graph peaks
+    at 3x its estimate; the budget is set so the second step's scaled estimates no longer fit."""
+    from step_runners import ScriptedWindows
+
+    runner = runner_for(setup, "decomposed", checkpointed=True)  # budget 2**40: the first step keeps every graph
+    sizes = {"recompute": 1_000, "prefix_backward": 0, "whole_graph": 0}
+    runner.windows = ScriptedWindows(sizes)
+    estimates = []
+    decide = runner._recompute_for
+
+    def scripted(step):  # each whole graph takes 3x the estimate the choice was made with
+        choose = decide(step)
+
+        def choice(mb, req):
+            on = choose(mb, req)
+            estimates.append(step.schedule.memory["recompute"]["estimates"][-1])
+            sizes["whole_graph"] = 3 * estimates[-1]
+            return on
+
+        return choice
+
+    runner._recompute_for = scripted
+    out, _ = run_step(runner, setup)
+    log = out.schedule.memory["recompute"]
+    assert log["scale"] == 1.0 and not any(x is False for x in log["whole"]) and out.train.recompute["on"] == 0
+    assert out.train.measured_bytes == [3 * e for e in estimates]
+    assert runner._whole_graph_scale == pytest.approx(3.0)
+    # the next step: free memory that holds each estimate twice over, not three times -> every micro-batch recomputes
+    runner._free_for_training = lambda step: (2 * max(estimates), 0)
+    out, _ = run_step(runner, setup)
+    log = out.schedule.memory["recompute"]
+    assert log["scale"] == pytest.approx(3.0) and out.train.recompute["off"] == 0 and out.train.recompute["on"] > 0
+    from torchplex.runtime.memory_budget import whole_graph_scale
+    assert whole_graph_scale(1.0, [10, 10], [5, 40], [True, False]) == 1.0  # a recomputed forward is not a graph
+    assert whole_graph_scale(2.0, [10], [15], [True]) == 2.0  # never smaller than what earlier steps measured
+
+
+def test_decomposed_whole_graph_estimate_counts_the_packed_suffix_keys(setup, monkeypatch):
+    """Defect (H200, 7B, vid P = 16): the packed suffix attention gathers each sample's prompt rows into its keys,
+    and autograd saves them (12.8 GiB in one micro-batch of 8 samples on 4,110-token prompts, repeated to the query
+    heads by torch 2.11's varlen call); the whole-graph estimate counted responses and computed prefixes only. Each
+    decomposed choice now adds G x prompt rows + responses of K and V per layer (CPU: the grouped K/V heads)."""
+    from torchplex.runtime import executor
+    from torchplex.runtime.memory_budget import packed_key_bytes
+
+    monkeypatch.setattr(executor, "no_recompute_bytes", lambda *a: 0)  # what is left: the packed keys alone
+    runner = runner_for(setup, "decomposed", checkpointed=True)
+    seen = []
+    decide = runner._recompute_for
+
+    def recording(step):
+        choose = decide(step)
+        return lambda mb, req: (seen.append(req), choose(mb, req))[1]
+
+    runner._recompute_for = recording
+    out, _ = run_step(runner, setup)
+    t = runner.actor.args.text
+    expected = [packed_key_bytes(sum(len(r.prompts[i].input_ids) for i in r.prompt_index) + sum(r.host_lengths()),
+                                 t.num_layers, t.num_kv_heads, t.head_dim, runner.actor.output_weight.element_size())
+                for r in seen]
+    assert out.schedule.memory["recompute"]["estimates"] == expected and min(expected) > 0

@@ -171,7 +171,7 @@ def test_batched_actor_prefix_rows_record_and_tabulate_what_training_held(tmp_pa
     assert "in training: " in line and f"| {planned['train_held_bytes'] / 2**30:.1f} / " in line
 
 
-@pytest.mark.parametrize("step", ["img-8-64", "vid-4", "vid-16", "img-32", "profile-32"])
+@pytest.mark.parametrize("step", ["img-8-64", "img-64", "vid-4", "vid-16", "img-32", "profile-32"])
 def test_each_gpu_step_of_scale_gpu_sh_is_a_command_scale_bench_accepts(step, tmp_path):
     """benchmarks/scale_gpu.sh runs on the H200 only, where a typo costs a device call: its steps (printed with
     DRY=1) parse as scale_bench arguments, each under the device call's 10-minute limit."""
@@ -187,6 +187,15 @@ def test_each_gpu_step_of_scale_gpu_sh_is_a_command_scale_bench_accepts(step, tm
     a = scale_bench.parse(words[words.index("benchmarks/scale_bench.py") + 1:])
     assert a.watchdog_s < int(words[3]) and a.repeats == 1 and a.activation_checkpointing
     assert a.workload in ("img", "vid") and a.out.startswith(str(tmp_path))
+
+
+def test_profile_names_a_prompt_count_and_any_of_the_run_modes():
+    """--profile P:MODE[,MODE]: the rows profiled; a mode it names that the run does not know is refused at start."""
+    a = scale_bench.parse(["--prompts", "32", "--modes", "overlapped,decomposed", "--profile", "32:overlapped,decomposed"])
+    assert a.profile == (32, {"overlapped", "decomposed"})
+    assert scale_bench.parse(["--prompts", "8"]).profile == (0, set())
+    with pytest.raises(SystemExit):
+        scale_bench.parse(["--prompts", "32", "--profile", "32:overlaped"])
 
 
 @pytest.mark.parametrize("budget_gib, on", [("1", 0), ("0.025", 2)])  # 25 MiB: ~1.4 MiB free for a 4.2 MiB graph

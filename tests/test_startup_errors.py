@@ -134,7 +134,10 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_says_how_to_resume(tm
             "--training.sft_warmup_steps=0", "--metrics.eval_interval=0", "--metrics.log_interval=1",
             "--metrics.tensorboard=false", "--checkpoint.enable=true", "--checkpoint.interval=1000"]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    # SIGINT at its default in the child: a suite started in the background (`pytest &`) has it ignored, inherited
+    # through exec, and the run would never see the Ctrl-C (it finished all 200 steps)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     for line in proc.stdout:
         lines.append(line)

@@ -16,6 +16,23 @@ def plain_tensors(model) -> bool:
     return not hasattr(model, "unshard") and not any(isinstance(p, DTensor) for p in model.parameters())
 
 
+CAPTURE_ROOM = 2**30  # driver-free bytes a capture is given when no earlier capture measured its pool
+
+
+def make_room(need: int) -> bool:
+    """Return the caching allocator's unused blocks to the driver when it has fewer than `need` bytes free; whether
+    it did. A capture's private pool takes new memory from the driver, and while a capture is under way the
+    allocator may not free its cached blocks for it (cudaFree cannot be captured): with the device's free memory
+    cached by the earlier phases the capture fails though enough is reserved (H200, 7B, img P = 64 decomposed: a
+    20 MiB allocation failed with 42.7 GiB reserved but unallocated, 2026-12-03). The check is one driver call;
+    the emptying, when needed, costs the next phases' re-mapping (docs/memory.md)."""
+    free, _ = torch.cuda.mem_get_info()
+    if free >= need:
+        return False
+    torch.cuda.empty_cache()
+    return True
+
+
 class CapturedStep:
     """A function of fixed-shape tensors captured as one CUDA graph on first call and replayed after.
 
@@ -27,11 +44,15 @@ class CapturedStep:
     the driver again. Each capture gets its own private memory pool (a pool
     whose graphs are all gone is freed, and cannot be handed to a later capture).
     Mode "thread_local": copy threads of the memory manager may keep issuing copies while this thread captures.
+    Before capturing, the driver is made to have `room_bytes` free (`make_room`); `pool_bytes` is what the capture
+    reserved (its pool, and anything other threads reserved meanwhile: an upper bound), for the next one's room.
     """
 
-    def __init__(self, fn, on_capture: Callable[[float], None] | None = None):
+    def __init__(self, fn, on_capture: Callable[[float], None] | None = None, room_bytes: int = CAPTURE_ROOM):
         self.fn = fn
         self.on_capture = on_capture
+        self.room_bytes = room_bytes
+        self.pool_bytes = 0
         self.graph = None
 
     def _capture(self, args):
@@ -42,12 +63,15 @@ class CapturedStep:
         with torch.cuda.stream(side):
             for _ in range(2):
                 self.fn(*self.static_in)
+            make_room(self.room_bytes)
+            reserved = torch.cuda.memory_reserved()
             self.graph = torch.cuda.CUDAGraph()
             self.graph.capture_begin(capture_error_mode="thread_local")
             try:
                 self.static_out = self.fn(*self.static_in)
             finally:
                 self.graph.capture_end()
+                self.pool_bytes = torch.cuda.memory_reserved() - reserved
         torch.cuda.current_stream().wait_stream(side)
         if self.on_capture is not None:
             self.on_capture(time.perf_counter() - t0)

@@ -67,6 +67,7 @@ class PeakWindows:
         self.counter = counter  # None: nothing is measured
         self.above: dict[str, int] = {}  # name -> the largest peak above entry of its windows since `begin`
         self.stayed: dict[str, int] = {}  # name -> what its last window left allocated beyond its entry
+        self.last: dict[str, int] = {}  # name -> its last window's peak above entry (less growth)
         self._peaks: dict[str, int] = {}  # name -> the largest peak of its windows; "" outside every window
 
     @classmethod
@@ -75,7 +76,7 @@ class PeakWindows:
 
     def begin(self) -> int:
         """A new stage: forgets the windows and resets the peak; returns what is allocated now (0 unmeasured)."""
-        self.above, self.stayed, self._peaks = {}, {}, {}
+        self.above, self.stayed, self.last, self._peaks = {}, {}, {}, {}
         if self.counter is None:
             return 0
         self.counter.reset_peak()
@@ -108,7 +109,8 @@ class PeakWindows:
         c.reset_peak()
         self._note(name, peak)
         grown = (growth() if growth else 0) - grown
-        self.above[name] = max(self.above.get(name, 0), peak - entry - max(0, grown))
+        self.last[name] = peak - entry - max(0, grown)
+        self.above[name] = max(self.above.get(name, 0), self.last[name])
 
 
 def grad_bytes(params) -> int:

@@ -34,6 +34,12 @@ def varlen_flash_available(q: torch.Tensor) -> bool:
             and q.shape[-1] <= 256)
 
 
+def varlen_key_heads(num_heads: int, num_kv_heads: int) -> int:
+    """The K/V heads varlen_causal hands the kernel (and autograd saves): the query heads where this torch's varlen
+    entry point takes no grouped K/V (torch 2.11: the keys are repeated), else the K/V heads."""
+    return num_kv_heads if "enable_gqa" in _VARLEN_PARAMS else num_heads
+
+
 def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                   max_q: int, max_k: int) -> torch.Tensor:
     """Flash varlen attention, causal with the diagonal at the bottom right of each sequence (the flash kernels'

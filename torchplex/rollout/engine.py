@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..components.captured_step import CapturedStep, plain_tensors
+from ..components.captured_step import CAPTURE_ROOM, CapturedStep, plain_tensors
 from ..data.batching import collate, encode_visuals
 from ..distributed.fsdp import gathered
 from ..models.attention import PrefixState
@@ -63,6 +63,7 @@ class RolloutStats:
     pool_bytes: int = 0
     captures: int = 0  # CUDA graphs of the decode step captured (one per pool storage: each rollout after a release)
     capture_s: float = 0.0  # part of decode_s
+    capture_pool_bytes: int = 0  # the largest capture's reservation: twice it is made free before the next capture
 
 
 class RolloutEngine:
@@ -129,6 +130,7 @@ class RolloutEngine:
     def _count_capture(self, seconds: float) -> None:
         self.stats.captures += 1
         self.stats.capture_s += seconds
+        self.stats.capture_pool_bytes = max(self.stats.capture_pool_bytes, self._step_fn.pool_bytes)
 
     # ---- pool lifetime -------------------------------------------------------------------------------
     def _pool_for(self, n: int, max_prompt: int, max_new: int, num_prompts: int) -> GroupKVPool:
@@ -213,7 +215,8 @@ class RolloutEngine:
                 log.info("rollout: compiling the decode step for %d groups x n=%d, prompts <= %d, <= %d new tokens "
                          "(about a minute on a GPU the first time)", pool.num_groups, pool.n, pool.max_prompt,
                          pool.max_new)
-            self._step_fn = (CapturedStep(self._compiled_step, self._count_capture) if self.use_graphs
+            room = max(CAPTURE_ROOM, 2 * self.stats.capture_pool_bytes)
+            self._step_fn = (CapturedStep(self._compiled_step, self._count_capture, room) if self.use_graphs
                              else self._compiled_step)
         return lambda params, *state: self._step_fn(*state)
 

@@ -24,6 +24,7 @@ import torch
 from ..components.captured_step import plain_tensors
 from ..components.peak_memory import PeakWindows
 from ..distributed.fsdp import gathered, reshard
+from ..models.packing import varlen_key_heads
 from ..models.qwen2_5_vl.parallelize import is_checkpointed
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
@@ -31,7 +32,8 @@ from .decomposition import DecomposedScorer, VisionCache
 from .memory_budget import (COMPACT, HEADROOM, NONE, PREFIX_GRADS, UNPLANNED, MemoryBudget, PrefixChoice,
                             agree_on_held_form, agree_on_recompute, batch_token_bound, device_capacity,
                             held_gradient_bytes, kv_pool_bytes, needs_recompute, no_recompute_bytes,
-                            prefix_backward_rate, recompute_train_bytes, step_residents)
+                            packed_key_bytes, prefix_backward_rate, recompute_train_bytes, step_residents,
+                            whole_graph_scale)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
 from .overlap import (HELD_BATCH_TOKENS, DecodeWindowJobs, PrefixStore, fused_prefill, hold_prefixes, length_groups,
                       rollout_prefill, token_batches)
@@ -146,6 +148,8 @@ class StepRunner:
         self._prefix_backward_rate: float | None = None
         # decomposed's batched actor prefix forward in the train stage: its transient beyond what it holds (CUDA)
         self._prefix_forward_bytes = 0
+        # measured whole graph / its estimate of training forwards that kept it (memory_budget.whole_graph_scale)
+        self._whole_graph_scale = 1.0
         self.windows = PeakWindows.for_device(self.device)  # the allocator's counters (CUDA; None elsewhere)
         # the rollout's and the reference's last peak beyond their plans (residents and the prefixes really held):
         # the transients no group counts (decode's logits and sampling, a reference micro-batch, ...); the next
@@ -241,11 +245,19 @@ class StepRunner:
         try:
             self._run_stages(step, work, phase_timer)
         except BaseException as e:  # nothing of a failed step stays alive (its held prefix graphs above all)
-            step.prefixes.clear()
-            self.scorer.new_step()
-            # what it planned and what its stages peaked at, for the report of the failure (scale_bench's row)
+            # what it planned, what its stages peaked at, and (CUDA) what the failing stage measured up to the error:
+            # its entry, its windows, the prefixes held (bytes, tokens per model), for the report of the failure
             schedule.memory["stage_peaks_measured"] = {**self._stage_peaks, **(
                 {str(step.stage): self.windows.peak()} if self.windows.counter is not None else {})}
+            if self.windows.counter is not None:
+                schedule.memory["failed_stage_measured"] = {
+                    "entry_bytes": self._stage_entry, "allocated_bytes": self.windows.counter.allocated(),
+                    "windows_above_bytes": dict(self.windows.above), "windows_stayed_bytes": dict(self.windows.stayed),
+                    "held_graph": [list(v) for v in step.prefixes.graph_bytes.values()],
+                    "held_compact": [list(v) for v in step.prefixes.compact_bytes.values()],
+                    "largest_held_batch_tokens": step.prefixes.largest_batch_tokens}
+            step.prefixes.clear()
+            self.scorer.new_step()
             self.failed_schedule = schedule
             e.add_note(f"in the {step.stage} stage of a step of {len(prompts)} prompts ({schedule.mode})")
             raise
@@ -494,6 +506,10 @@ class StepRunner:
             self._prefix_backward_rate = above["prefix_backward"] / step.prefixes.largest_batch_tokens
         if "prefix_forward" in above:
             self._prefix_forward_bytes = above["prefix_forward"]
+        log = step.schedule.memory.get("recompute", {})
+        if step.result.measured_bytes and "estimates" in log:
+            self._whole_graph_scale = whole_graph_scale(self._whole_graph_scale, log["estimates"],
+                                                        step.result.measured_bytes, log["whole"])
         if self.windows.counter is not None:  # and what peaked outside those windows (the stage's unplanned bytes)
             elastic = ("whole_graph",) if is_checkpointed(self.actor) else ()
             grads = _local_bytes(p for p in self.actor.parameters() if p.requires_grad)
@@ -528,9 +544,13 @@ class StepRunner:
         rate = self._activation_bytes_per_token or self._graph_estimate()
         vocab = self.actor.args.text.vocab_size
         serial = step.schedule.mode == "serial"
+        t, size = self.actor.args.text, self.actor.output_weight.element_size()
+        # the varlen kernel's heads on CUDA (models/packing.py), the grouped K/V of the SDPA path elsewhere
+        key_heads = varlen_key_heads(t.num_heads, t.num_kv_heads) if self.device.type == "cuda" else t.num_kv_heads
         tp_group = _tp_group(self.actor)
         log = step.schedule.memory.setdefault("recompute", {})
-        log.update(bytes_per_token=rate, estimates=[], free_bytes=[])
+        scale = self._whole_graph_scale
+        log.update(bytes_per_token=rate, scale=scale, estimates=[], free_bytes=[], whole=[])
 
         def decide(mb, req) -> bool:
             responses = sum(req.host_lengths())
@@ -539,10 +559,15 @@ class StepRunner:
             else:
                 prefix = sum(len(p.input_ids) for p in req.prompts if not self.scorer.store.has(self.actor, p))
             est = no_recompute_bytes(rate, responses + prefix, responses, vocab)
+            if not serial:  # the suffixes' packed keys: each sample's prompt rows and its own tokens
+                keys = sum(len(req.prompts[i].input_ids) for i in req.prompt_index) + responses
+                est += packed_key_bytes(keys, t.num_layers, key_heads, t.head_dim, size)
             free, margin = self._free_for_training(step)
-            log["estimates"].append(est)
+            log["estimates"].append(est)  # unscaled: what whole_graph_scale compares the measured bytes with
             log["free_bytes"].append(free - margin)
-            return agree_on_recompute(needs_recompute(est, free, margin), tp_group, self.device)
+            on = agree_on_recompute(needs_recompute(math.ceil(est * scale), free, margin), tp_group, self.device)
+            log["whole"].append(not on)
+            return on
 
         return decide
 

@@ -159,6 +159,9 @@ class TrainResult:
     # training forwards (micro-batches x epochs) whose checkpointed blocks recomputed in backward, and those that did
     # not, as `recompute_for` decided (both 0 without it)
     recompute: dict[str, int] = field(default_factory=lambda: {"on": 0, "off": 0})
+    # per choice of `recompute_for`, in order: what its micro-batch's window measured (its forward and backward above
+    # what it found; empty without windows)
+    measured_bytes: list[int] = field(default_factory=list)
 
 
 def all_reduce_sums(values: Sequence[float | torch.Tensor], device, dp_group) -> list[float]:
@@ -260,7 +263,8 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
             width = req.tokens.shape[1]
             bonus = loss_cfg.entropy_coef != 0  # the entropy enters the loss (with its gradient) in every epoch
             on = recompute_for(mb, req) if recompute_for is not None else None
-            with window("micro_batch" if on is None else "recompute" if on else "whole_graph"):  # its peak
+            name = "micro_batch" if on is None else "recompute" if on else "whole_graph"
+            with window(name):  # its peak
                 with recompute(on) if on is not None else nullcontext():
                     logp, entropy = scorer.score(actor, req, temperature, with_entropy=epoch == 0 or bonus)
                 if on is not None:
@@ -284,6 +288,8 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
                 scorer.backward(loss * dp_size)  # decomposed: the suffix part, then the prefix part
                 del logp, loss, entropy  # the spent graph (it keeps the prefix leaves) goes before the next forward
             epoch_stats.append(stats)
+            if windows is not None and on is not None:
+                result.measured_bytes.append(windows.last[name])
         with window("prefix_backward"):
             scorer.finish_backward()  # decomposed: the batched fused prefix's part, once every slice has its gradient
         grad_norm = clip_grad_norm(trainable, grad_clip)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -184,6 +185,25 @@ def no_recompute_bytes(graph_bytes_per_token: float, tokens: int, response_token
     prefixes it computes, not those held from a fused prefill) at the whole graph's rate, plus the fp32 logits
     (one LM-head chunk's: `logits_bytes`)."""
     return math.ceil(graph_bytes_per_token * tokens) + logits_bytes(response_tokens, vocab_size)
+
+
+def packed_key_bytes(key_tokens: int, layers: int, key_heads: int, head_dim: int, element_size: int) -> int:
+    """The K and V a decomposed training forward's packed suffix attention saves for backward in every layer: each
+    suffix's keys are its prompt's prefix rows then its own tokens (models/packing.py, gathered per sample), so a
+    group of G samples on a P-token prefix saves G x P rows (H200, 7B, vid P = 16: 12.8 GiB for one micro-batch,
+    the keys repeated to the query heads)."""
+    return 2 * key_tokens * layers * key_heads * head_dim * element_size
+
+
+def whole_graph_scale(previous: float, estimates: Sequence[int], measured: Sequence[int],
+                      whole: Sequence[bool]) -> float:
+    """What a training forward's whole graph took against `no_recompute_bytes`' estimate, the largest ratio over
+    the forwards that kept it (`whole`) and the earlier steps' (`previous`), never below 1: the next steps'
+    choices multiply the estimate by it. The estimate's per-token rate is the prefix's graph, and a suffix forward
+    takes more per token (its attention over the prefix, log-probs and entropy in fp32): H200, 7B, vid P = 16,
+    a whole-graph micro-batch estimated at 17.1 GB ran out of the 24.6 GB it found free."""
+    ratios = [m / e for e, m, w in zip(estimates, measured, whole) if w and e > 0]
+    return max([previous, 1.0, *ratios])
 
 
 def recompute_train_bytes(compact_bytes_per_token: float, layer_bytes_per_token: float, tokens: int,
