@@ -497,3 +497,32 @@ def test_a_demotion_within_training_is_recorded_in_the_training_forms(setup):
     assert list(demoted.values()) == [(GRAPH, COMPACT)]
     assert [c.form for c in out.schedule.train_prefix_forms] == [COMPACT] * n
     assert any("smaller form than planned" in r for r in out.schedule.reasons)
+
+
+@pytest.mark.parametrize("mode", ["decomposed", "overlapped"])
+def test_a_step_failing_inside_a_backward_keeps_nothing_once_the_error_is_gone(setup, mode):
+    """H200, vid P = 16 (2026-12-02): after decomposed's step ran out of memory inside training, the next mode's
+    rollout found ~37 GB still allocated. Failing in the second micro-batch's backward here (held prefixes taken,
+    one epoch's backward done, the batched prefixes' gradients held back): once the error is dropped and the
+    gradients cleared (as scale_bench does), nothing the step allocated stays alive."""
+    runner = runner_for(setup, mode, budget=2**40, micro_batch=4)
+    step(runner, setup)
+    backward, calls = runner.scorer.backward, []
+
+    def failing(loss):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        backward(loss)
+
+    runner.scorer.backward = failing
+    gc.collect()
+    with LiveBytes() as live:
+        with pytest.raises(torch.OutOfMemoryError, match="test"):
+            step(runner, setup)
+        for p in runner.actor.parameters():
+            p.grad = None
+        gc.collect()
+        left = live.live
+    assert len(calls) == 2
+    assert left < 2**20, left
