@@ -296,6 +296,10 @@ def parse(argv=None):
                     "torch.profiler (kernel time by category per phase, in the row's `profile`)")
     ap.add_argument("--oom-sites", action="store_true",
                     help="record allocation stacks (slower host): a row that fails keeps its live memory by site")
+    ap.add_argument("--memory-cap-gib", type=float, default=0.0,
+                    help="diagnostic: the allocator refuses to hold more than this (set_per_process_memory_fraction) "
+                         "while the planner still sees the whole device, so with --oom-sites a step that peaks above "
+                         "it fails there and its row keeps what was live at that moment, by site")
     ap.add_argument("--plot-from", nargs="+", default=[],
                     help="results files of earlier runs: only draw their rows (one workload) into --plot and stop")
     ap.add_argument("--watchdog-s", type=int, default=0,
@@ -340,6 +344,11 @@ def main(argv=None) -> dict:
     print(f"[scale_bench] dense matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
     if a.oom_sites and not oom_sites.record():
         print("[scale_bench] --oom-sites: no CUDA device, nothing recorded", flush=True)
+    if a.memory_cap_gib and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = min(1.0, a.memory_cap_gib * 2**30 / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device())
+        print(f"[scale_bench] allocator capped at {a.memory_cap_gib:.1f} GiB of {total / 2**30:.1f}", flush=True)
     actor, reference, optimizer = build_policy(args, dtype, device, a.freeze_vision, a.fused)
     if a.activation_checkpointing:
         apply_activation_checkpointing(actor)

@@ -2,7 +2,10 @@
 # The step benchmarks of issues 18 and 19 on one H200, one device call per step below (each ends within the
 # call's 10-minute limit: a timeout and scale_bench's watchdog stop it first, and the rows written so far stay):
 #   run(command="bash benchmarks/scale_gpu.sh img-8-64")   # img P = 8 and 64, overlapped + decomposed (~400 s)
+#   run(command="bash benchmarks/scale_gpu.sh img-8")      # img P = 8 alone, overlapped + decomposed (~150 s)
 #   run(command="bash benchmarks/scale_gpu.sh img-64")     # img P = 64 alone, overlapped + decomposed (~330 s)
+#   run(command="bash benchmarks/scale_gpu.sh sites-64")   # diagnostic: decomposed img P = 64, the allocator capped at
+#                                                          # CAP_GIB (132.5): what is live where a step peaks above it
 #   run(command="bash benchmarks/scale_gpu.sh vid-4")      # vid P = 4, overlapped + decomposed + serial (~360 s)
 #   run(command="bash benchmarks/scale_gpu.sh vid-16")     # vid P = 16, overlapped + decomposed (~350 s)
 #   run(command="bash benchmarks/scale_gpu.sh img-32")     # img P = 32, every mode, unbatched too (~490 s)
@@ -27,7 +30,9 @@ scale() {  # name workload prompts modes [more scale_bench arguments]
 }
 case "${1:-}" in
   img-8-64) scale img-8-64 img 8,64 overlapped,decomposed --warmup modes ;;
+  img-8) scale img-8 img 8 overlapped,decomposed --warmup modes ;;
   img-64) scale img-64 img 64 overlapped,decomposed --warmup modes ;;
+  sites-64) scale img-64-sites img 64 decomposed --warmup modes --oom-sites --memory-cap-gib "${CAP_GIB:-132.5}" ;;
   vid-4) scale vid-4 vid 4 overlapped,decomposed,serial --warmup modes ;;
   vid-16) scale vid-16 vid 16 overlapped,decomposed --warmup modes ;;
   img-32) scale img-32 img 32 overlapped,decomposed,serial,decomposed-unbatched --warmup modes ;;
@@ -36,5 +41,5 @@ case "${1:-}" in
     ${DRY:+echo} timeout -k 10 300 python benchmarks/decode_bench.py --geometry 7B --batch 64 --group 1 --context 2048 --steps 64 \
       --watchdog-s 290 --out "$OUT/decode-$stamp-b64.json" 2>&1 | tee "$OUT/decode-$stamp.log" ;;
   *)
-    echo "usage: $0 img-8-64 | img-64 | vid-4 | vid-16 | img-32 | profile-32 | decode" >&2; exit 2 ;;
+    echo "usage: $0 img-8-64 | img-8 | img-64 | sites-64 | vid-4 | vid-16 | img-32 | profile-32 | decode" >&2; exit 2 ;;
 esac

@@ -240,3 +240,67 @@ def test_flash_varlen_layouts_index_the_right_keys(monkeypatch):
            PackedCausalAttention(lengths, q.device)(0, qc, kc, vc))
     for a, b in zip(got, expected):
         assert torch.allclose(a, b, atol=1e-12)
+
+
+class _SavingVarlen(torch.autograd.Function):
+    """reference_varlen saving its inputs for backward as torch's varlen op does (query, key, value, ...)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k):
+        ctx.save_for_backward(q, k, v)  # grouped K/V (enable_gqa) are kept grouped: the kernel reads them so
+        return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k)  # (reference_varlen's dense_reference repeats)
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - the test only counts what the forward saved
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("path", ["sdpa", "varlen grouped", "varlen repeated"])
+def test_packed_key_bytes_are_what_autograd_saves_of_the_suffix_keys(monkeypatch, path):
+    """The decomposed training forward's whole-graph estimate adds memory_budget.packed_key_bytes with
+    suffix_key_heads per layer: the keys and values each suffix attends to (its prompt's prefix rows, its own
+    tokens), as saved for backward. Reference: the bytes autograd's saved-tensor hooks see of the K/V handed to the
+    kernel. On CPU the masked SDPA path repeats K/V to the query heads, which the estimate once missed (it counted
+    the grouped heads, half or less of what is kept)."""
+    import torchplex.models.attention as attention
+    import torchplex.models.packing as packing
+    from torchplex.runtime.memory_budget import packed_key_bytes
+
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim = 4, 2, 8
+    rand = lambda *shape: torch.randn(*shape, generator=g, requires_grad=True)
+    owners, suffix_lens, prefix_lens = [1, 0, 0, 1, 1], [3, 0, 1, 5, 2], [4, 2]
+    prefix = PrefixState([rand(2, kv_heads, 5, dim)], [rand(2, kv_heads, 5, dim)], torch.tensor(prefix_lens),
+                         torch.tensor([4, 2]), torch.randn(2, heads * dim))
+    n = sum(suffix_lens)
+    q, k, v = rand(1, heads, n, dim), rand(1, kv_heads, n, dim), rand(1, kv_heads, n, dim)
+    handed = []  # the K/V tensors the kernel got
+    if path == "sdpa":
+        kernel = attention.F.scaled_dot_product_attention
+
+        def recording(q, k, v, **kw):
+            handed.extend([k, v])
+            return kernel(q, k, v, **kw)
+
+        monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording)
+    else:
+        monkeypatch.setattr(packing, "_flash_path", lambda *a: True)
+        params = {"window_size"} | ({"enable_gqa"} if path == "varlen grouped" else set())
+        monkeypatch.setattr(packing, "_VARLEN_PARAMS", params)
+
+        def varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+            assert kw.get("enable_gqa", False) == ("enable_gqa" in params)
+            handed.extend([k, v])
+            return _SavingVarlen.apply(q, k, v, cu_q, cu_k, max_q, max_k)
+
+        monkeypatch.setattr(packing, "_varlen_attn", varlen)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        PackedSuffixAttention(prefix, owners, suffix_lens, prefix_lens)(0, q, k, v)
+    ptrs = {t.untyped_storage().data_ptr() for t in handed}
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+            if t.untyped_storage().data_ptr() in ptrs}
+    rows = sum(prefix_lens[o] + m for o, m in zip(owners, suffix_lens) if m)
+    key_heads = packing.suffix_key_heads(heads, kv_heads, dim, "cpu", torch.float32)
+    assert key_heads == {"sdpa": heads, "varlen grouped": kv_heads, "varlen repeated": heads}[path]
+    assert len(kept) == len(handed) and sum(kept.values()) == packed_key_bytes(rows, 1, key_heads, dim, 4)

@@ -386,8 +386,10 @@ def test_decomposed_whole_graph_estimate_counts_the_packed_suffix_keys(setup, mo
     """Defect (H200, 7B, vid P = 16): the packed suffix attention gathers each sample's prompt rows into its keys,
     and autograd saves them (12.8 GiB in one micro-batch of 8 samples on 4,110-token prompts, repeated to the query
     heads by torch 2.11's varlen call); the whole-graph estimate counted responses and computed prefixes only. Each
-    decomposed choice now adds G x prompt rows + responses of K and V per layer (CPU: the grouped K/V heads)."""
+    decomposed choice now adds G x prompt rows + responses of K and V per layer, in the heads the attention path
+    keeps (test_packing checks those bytes against what autograd saves)."""
     from torchplex.runtime import executor
+    from torchplex.models.packing import suffix_key_heads
     from torchplex.runtime.memory_budget import packed_key_bytes
 
     monkeypatch.setattr(executor, "no_recompute_bytes", lambda *a: 0)  # what is left: the packed keys alone
@@ -401,8 +403,10 @@ def test_decomposed_whole_graph_estimate_counts_the_packed_suffix_keys(setup, mo
 
     runner._recompute_for = recording
     out, _ = run_step(runner, setup)
-    t = runner.actor.args.text
+    t, w = runner.actor.args.text, runner.actor.output_weight
+    heads = suffix_key_heads(t.num_heads, t.num_kv_heads, t.head_dim, w.device, w.dtype)
+    assert heads == t.num_heads > t.num_kv_heads  # CPU: the masked SDPA path keeps K/V repeated to the query heads
     expected = [packed_key_bytes(sum(len(r.prompts[i].input_ids) for i in r.prompt_index) + sum(r.host_lengths()),
-                                 t.num_layers, t.num_kv_heads, t.head_dim, runner.actor.output_weight.element_size())
+                                 t.num_layers, heads, t.head_dim, w.element_size())
                 for r in seen]
     assert out.schedule.memory["recompute"]["estimates"] == expected and min(expected) > 0

@@ -29,15 +29,28 @@ except ImportError:  # pragma: no cover - older torch
     _varlen_attn, _VARLEN_PARAMS = None, set()
 
 
+def _flash_path(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    return (_varlen_attn is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and head_dim <= 256)
+
+
 def varlen_flash_available(q: torch.Tensor) -> bool:
-    return (_varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] <= 256)
+    return _flash_path(q.device, q.dtype, q.shape[-1])
 
 
 def varlen_key_heads(num_heads: int, num_kv_heads: int) -> int:
     """The K/V heads varlen_causal hands the kernel (and autograd saves): the query heads where this torch's varlen
     entry point takes no grouped K/V (torch 2.11: the keys are repeated), else the K/V heads."""
     return num_kv_heads if "enable_gqa" in _VARLEN_PARAMS else num_heads
+
+
+def suffix_key_heads(num_heads: int, num_kv_heads: int, head_dim: int, device, dtype: torch.dtype) -> int:
+    """The heads of the packed keys PackedSuffixAttention's backward keeps per layer on `device` in `dtype`: the
+    varlen kernel's (varlen_key_heads) on the flash path, the query heads on the SDPA path (its bottom-right
+    causal mask takes the masked kernels, which get K/V repeated to every query head)."""
+    if _flash_path(torch.device(device), dtype, head_dim):
+        return varlen_key_heads(num_heads, num_kv_heads)
+    return num_heads
 
 
 def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,

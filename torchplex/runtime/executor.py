@@ -24,13 +24,13 @@ import torch
 from ..components.captured_step import plain_tensors
 from ..components.peak_memory import PeakWindows
 from ..distributed.fsdp import gathered, reshard
-from ..models.packing import varlen_key_heads
+from ..models.packing import suffix_key_heads
 from ..models.qwen2_5_vl.parallelize import is_checkpointed
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
-from .memory_budget import (COMPACT, HEADROOM, NONE, PREFIX_GRADS, UNPLANNED, MemoryBudget, PrefixChoice,
-                            agree_on_held_form, agree_on_recompute, batch_token_bound, device_capacity,
+from .memory_budget import (COMPACT, FIRST_TRAIN_UNPLANNED, HEADROOM, NONE, PREFIX_GRADS, UNPLANNED, MemoryBudget,
+                            PrefixChoice, agree_on_held_form, agree_on_recompute, batch_token_bound, device_capacity,
                             held_gradient_bytes, kv_pool_bytes, needs_recompute, no_recompute_bytes,
                             packed_key_bytes, prefix_backward_rate, recompute_train_bytes, step_residents,
                             whole_graph_scale)
@@ -378,6 +378,8 @@ class StepRunner:
             residents["ref"]["ref_prefix_kv"] = shape.kv_bytes_per_token * shape.prefix_tokens
         for stage, nb in self._unplanned_bytes.items():  # measured by the last step (_learn_unplanned)
             residents[stage][UNPLANNED] = nb
+        if self.windows.counter is not None and str(Stage.TRAIN) not in self._unplanned_bytes:
+            residents["train"][UNPLANNED] = int(FIRST_TRAIN_UNPLANNED * capacity)  # until a step measures it
         return budget
 
     @contextmanager
@@ -545,8 +547,8 @@ class StepRunner:
         vocab = self.actor.args.text.vocab_size
         serial = step.schedule.mode == "serial"
         t, size = self.actor.args.text, self.actor.output_weight.element_size()
-        # the varlen kernel's heads on CUDA (models/packing.py), the grouped K/V of the SDPA path elsewhere
-        key_heads = varlen_key_heads(t.num_heads, t.num_kv_heads) if self.device.type == "cuda" else t.num_kv_heads
+        key_heads = suffix_key_heads(t.num_heads, t.num_kv_heads, t.head_dim, self.device,
+                                     self.actor.output_weight.dtype)
         tp_group = _tp_group(self.actor)
         log = step.schedule.memory.setdefault("recompute", {})
         scale = self._whole_graph_scale
