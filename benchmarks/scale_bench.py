@@ -210,11 +210,13 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
 def recompute_record(schedule) -> dict:
     """The train phase's per-micro-batch recompute choices: how many forwards recomputed in backward ("on") or kept
     their whole graph ("off"), and for each choice the estimate of its whole graph against the free bytes it was
-    compared with (GiB; the free bytes less the headroom), so a peak over the plan shows which choice ran close."""
+    compared with (GiB; the free bytes less the headroom), so a peak over the plan shows which choice ran close,
+    and (CUDA) what each forward's window measured, in the same order."""
     rc = schedule.memory.get("recompute", {})
     return {"on": rc.get("on", 0), "off": rc.get("off", 0), "scale": rc.get("scale", 1.0),
             "estimate_gib": [b / 2**30 for b in rc.get("estimates", [])],
-            "free_gib": [b / 2**30 for b in rc.get("free_bytes", [])]}
+            "free_gib": [b / 2**30 for b in rc.get("free_bytes", [])],
+            "measured_gib": [b / 2**30 for b in rc.get("measured", [])]}
 
 
 def profile_row(row: dict, P: int, runner, engine, prompts, params, device) -> None:

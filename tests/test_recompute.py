@@ -370,7 +370,7 @@ def test_whole_graph_estimates_learn_what_the_kept_graphs_took(setup):
     out, _ = run_step(runner, setup)
     log = out.schedule.memory["recompute"]
     assert log["scale"] == 1.0 and not any(x is False for x in log["whole"]) and out.train.recompute["on"] == 0
-    assert out.train.measured_bytes == [3 * e for e in estimates]
+    assert out.train.measured_bytes == [3 * e for e in estimates] == log["measured"]
     assert runner._whole_graph_scale == pytest.approx(3.0)
     # the next step: free memory that holds each estimate twice over, not three times -> every micro-batch recomputes
     runner._free_for_training = lambda step: (2 * max(estimates), 0)

@@ -211,3 +211,4 @@ def test_rows_record_each_recompute_choice_of_the_warm_up_and_the_timed_step(tmp
         choices = list(zip(rc["estimate_gib"], rc["free_gib"], strict=True))
         assert len(choices) == rc["on"] + rc["off"] == 2  # one micro-batch per group of 2 samples
         assert rc["on"] == sum(est > free for est, free in choices) == on
+        assert rc["measured_gib"] == []  # CPU: no allocator counter, so no window measured (CUDA: one per choice)

@@ -510,6 +510,7 @@ class StepRunner:
             self._prefix_forward_bytes = above["prefix_forward"]
         log = step.schedule.memory.get("recompute", {})
         if step.result.measured_bytes and "estimates" in log:
+            log["measured"] = list(step.result.measured_bytes)  # beside each choice's estimate, in its order
             self._whole_graph_scale = whole_graph_scale(self._whole_graph_scale, log["estimates"],
                                                         step.result.measured_bytes, log["whole"])
         if self.windows.counter is not None:  # and what peaked outside those windows (the stage's unplanned bytes)
