@@ -26,19 +26,22 @@ def test_needs_recompute_when_the_whole_graph_does_not_fit_the_free_memory_less_
     assert not needs_recompute(900, free_bytes=1000, margin_bytes=100)   # exactly fits
     assert needs_recompute(901, free_bytes=1000, margin_bytes=100)
     assert needs_recompute(1, free_bytes=50, margin_bytes=100)           # nothing free past the margin
-    # a plan over micro-batches of 10 / 40 / 25 tokens at 1,000 B per token and a vocab of 8 (96 B of logits per
-    # response token), 4 response tokens each, 40,000 B free less a 5,000 B margin
-    ests = [no_recompute_bytes(1000.0, t, 4, 8) for t in (10, 40, 25)]
-    assert ests == [10_000 + 4 * 4 * 8 * LOGIT_COPIES, 40_384, 25_384]
-    assert [needs_recompute(e, 40_000, 5_000) for e in ests] == [False, True, False]
+    # a plan over micro-batches computing prefixes of 6 / 36 / 21 tokens at 1,500 B per token (a trainable tower's
+    # blocks in it), with 4 response tokens each at 1,000 B (the decoder alone) and a vocab of 8 (96 B of logits per
+    # response token), 40,000 B free less a 5,000 B margin
+    ests = [no_recompute_bytes(1500.0, t, 1000.0, 4, 8) for t in (6, 36, 21)]
+    assert ests == [9_000 + 4_000 + 4 * 4 * 8 * LOGIT_COPIES, 58_384, 35_884]
+    assert [needs_recompute(e, 40_000, 5_000) for e in ests] == [False, True, True]
+    # responses on held prefixes: the suffix rate alone
+    assert no_recompute_bytes(1500.0, 0, 1000.0, 4, 8) == 4_384
     # the LM head runs 1,024 rows at a time (rl/logprobs): the fp32 logits of one chunk, not of every token
-    assert no_recompute_bytes(0.0, 0, 5000, 8) == no_recompute_bytes(0.0, 0, LOGIT_CHUNK, 8) == 3 * 4 * 8 * 1024
+    assert no_recompute_bytes(0.0, 0, 0.0, 5000, 8) == no_recompute_bytes(0.0, 0, 0.0, LOGIT_CHUNK, 8) == 3 * 4 * 8 * 1024
 
 
 def test_recompute_form_is_layer_inputs_plus_one_layer_plus_logits():
     assert recompute_train_bytes(10.0, 100.0, tokens=7, response_tokens=3, vocab_size=5) == 770 + 3 * 4 * 5 * 3
     # far below the whole graph of 28 such layers at the same tokens
-    assert recompute_train_bytes(10.0, 100.0, 7, 3, 5) < no_recompute_bytes(28 * 100.0, 7, 3, 5)
+    assert recompute_train_bytes(10.0, 100.0, 7, 3, 5) < no_recompute_bytes(28 * 100.0, 4, 28 * 100.0, 3, 5)
 
 
 # ---- the executor on CPU ---------------------------------------------------------------------------------------
@@ -380,6 +383,70 @@ def test_whole_graph_estimates_learn_what_the_kept_graphs_took(setup):
     from torchplex.runtime.memory_budget import whole_graph_scale
     assert whole_graph_scale(1.0, [10, 10], [5, 40], [True, False]) == 1.0  # a recomputed forward is not a graph
     assert whole_graph_scale(2.0, [10], [15], [True]) == 2.0  # never smaller than what earlier steps measured
+
+
+@pytest.mark.parametrize("mode", ["decomposed", "overlapped"])
+def test_whole_graph_estimate_prices_responses_at_the_decoder_rate(setup, mode):
+    """Defect (H200, 7B, img P = 8): micro-batches on held prefixes were estimated at 18.6-31.0 GiB and the largest
+    whole graph measured 16.5 (overlapped's one kept graph: 5.8 of 26.2): the estimate priced a response token at
+    the fused prefix graph's rate, which holds a trainable tower's blocks for each merged image token, so most
+    micro-batches recomputed that had room not to. What autograd saves in each whole-graph training forward (the
+    prefixes held, so the responses alone: overlap.SavedBytes, parameters left out) must be covered by the estimate,
+    and by no more than 2x (priced at the prefix rate: 2.7x on the tiny geometry, whose tower is 2/3 of that rate)."""
+    from torchplex.runtime.overlap import SavedBytes
+
+    runner = cpu_runner(setup, mode, budget=2**40, micro_batch=4, kv_pool=KV_POOL, checkpointed=True)
+    scorer, saved = runner.scorer, []
+    score = scorer.score
+
+    def measuring(model, req, *args, **kwargs):
+        if model is not runner.actor or not torch.is_grad_enabled():
+            return score(model, req, *args, **kwargs)
+        graph = SavedBytes(model)
+        with graph:
+            out = score(model, req, *args, **kwargs)
+        saved.append(graph.nbytes)
+        return out
+
+    scorer.score = measuring
+    out, _ = run_step(runner, setup)
+    log = out.schedule.memory["recompute"]
+    assert all(log["whole"]) and len(saved) == len(log["estimates"]) > 1
+    text, vision = runner._block_graph_estimates()
+    assert vision > text and log["suffix_bytes_per_token"] == runner.actor.args.text.num_layers * text
+    for est, nbytes in zip(log["estimates"], saved):
+        assert nbytes <= est <= 2 * nbytes
+
+
+def test_free_memory_for_a_training_forward_leaves_out_the_gradients_its_backward_makes(setup, monkeypatch):
+    """Defect (H200, 7B, every run): the first micro-batch of a step found 15.4 GiB more free than the next, the
+    bf16 gradients its own backward creates, and chose its recompute as if it could keep them for its graph. The
+    allocator's counters are stood in for (CPU): what is free less the gradients not yet made, whichever exist."""
+    from types import SimpleNamespace
+
+    runner = runner_for(setup, "decomposed", checkpointed=True)  # budget 2**40: the budget's branch (capacity)
+    trainable = [p for p in runner.actor.parameters() if p.requires_grad]
+    size = lambda ps: sum(p.numel() * p.element_size() for p in ps)
+    total = size(trainable)
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * total, 100 * total))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    step = SimpleNamespace(schedule=SimpleNamespace(memory={"capacity_bytes": 100 * total}))
+    for p in trainable:
+        p.grad = None
+    assert runner._free_for_training(step) == (9 * total, int(HEADROOM * 100 * total))
+    made = trainable[: len(trainable) // 2]
+    for p in made:
+        p.grad = torch.zeros_like(p)
+    assert runner._free_for_training(step)[0] == 9 * total + size(made)
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    assert runner._free_for_training(step)[0] == 10 * total
+    runner.actor.requires_grad_(False)  # a frozen parameter gets no gradient: nothing of it is pending
+    for p in trainable:
+        p.grad = None
+    assert runner._free_for_training(step)[0] == 10 * total
 
 
 def test_decomposed_whole_graph_estimate_counts_the_packed_suffix_keys(setup, monkeypatch):

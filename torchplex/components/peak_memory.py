@@ -122,3 +122,14 @@ def grad_bytes(params) -> int:
             g = g.to_local() if hasattr(g, "to_local") else g
             total += g.numel() * g.element_size()
     return total
+
+
+def pending_grad_bytes(params) -> int:
+    """Bytes of the gradients the trainable parameters do not hold yet (a DTensor's: this rank's shard), which the
+    next backward creates: before a step's first backward, all of them."""
+    total = 0
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.numel() * local.element_size()
+    return total

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..components.captured_step import plain_tensors
-from ..components.peak_memory import PeakWindows
+from ..components.peak_memory import PeakWindows, pending_grad_bytes
 from ..distributed.fsdp import gathered, reshard
 from ..models.packing import suffix_key_heads
 from ..models.qwen2_5_vl.parallelize import is_checkpointed
@@ -536,8 +536,9 @@ class StepRunner:
 
     def _recompute_for(self, step: _Step):
         """The train phase's per-micro-batch choice (memory.recompute): "always" True; "auto" True unless the
-        forward's whole graph (memory_budget.no_recompute_bytes over the tokens it runs: its responses and the
-        prefixes not held from a fused prefill) fits in `_free_for_training` less the headroom. Each choice's
+        forward's whole graph (memory_budget.no_recompute_bytes over the tokens it runs: its responses at the
+        decoder layers' rate, _block_graph_estimates', and the prefixes not held at the prefix graph's) fits in
+        `_free_for_training` less the headroom. Each choice's
         estimate and the free bytes are kept in schedule.memory["recompute"]; an actor without checkpointed
         blocks has nothing to recompute (every forward counts as "off")."""
         if not is_checkpointed(self.actor):
@@ -545,6 +546,7 @@ class StepRunner:
         if self.settings.recompute == "always":
             return lambda mb, req: True
         rate = self._activation_bytes_per_token or self._graph_estimate()
+        suffix_rate = self.actor.args.text.num_layers * self._block_graph_estimates()[0]
         vocab = self.actor.args.text.vocab_size
         serial = step.schedule.mode == "serial"
         t, size = self.actor.args.text, self.actor.output_weight.element_size()
@@ -553,7 +555,8 @@ class StepRunner:
         tp_group = _tp_group(self.actor)
         log = step.schedule.memory.setdefault("recompute", {})
         scale = self._whole_graph_scale
-        log.update(bytes_per_token=rate, scale=scale, estimates=[], free_bytes=[], whole=[])
+        log.update(bytes_per_token=rate, suffix_bytes_per_token=suffix_rate, scale=scale, estimates=[], free_bytes=[],
+                   whole=[])
 
         def decide(mb, req) -> bool:
             responses = sum(req.host_lengths())
@@ -561,7 +564,7 @@ class StepRunner:
                 prefix = sum(len(req.prompts[i].input_ids) for i in req.prompt_index)
             else:
                 prefix = sum(len(p.input_ids) for p in req.prompts if not self.scorer.store.has(self.actor, p))
-            est = no_recompute_bytes(rate, responses + prefix, responses, vocab)
+            est = no_recompute_bytes(rate, prefix, suffix_rate, responses, vocab)
             if not serial:  # the suffixes' packed keys: each sample's prompt rows and its own tokens
                 keys = sum(len(req.prompts[i].input_ids) for i in req.prompt_index) + responses
                 est += packed_key_bytes(keys, t.num_layers, key_heads, t.head_dim, size)
@@ -576,17 +579,20 @@ class StepRunner:
 
     def _free_for_training(self, step: _Step) -> tuple[int, int]:
         """(free bytes now, margin) for a training forward. CUDA: the device's free memory plus the allocator's
-        cached blocks (within memory.budget_gib when set), margin 5 % of the capacity; CPU: the budget less what
-        it counts resident in training (activations aside) and the held prefixes."""
+        cached blocks (within memory.budget_gib when set), less the gradients the forward's backward will create
+        (before the step's first backward, every one: H200, 7B, the first micro-batch found 15.4 GiB more free than
+        the next), margin 5 % of the capacity; CPU: the budget less what it counts resident in training (activations
+        aside; the gradients whole) and the held prefixes."""
         mem = step.schedule.memory
         capacity = mem["capacity_bytes"]
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             allocated = torch.cuda.memory_allocated(self.device)
             free += torch.cuda.memory_reserved(self.device) - allocated
+            pending = pending_grad_bytes(self.actor.parameters())
             if self.settings.plan.memory_budget_bytes:
-                return min(free, capacity - allocated), int(HEADROOM * capacity)
-            return free, int(HEADROOM * total)
+                return min(free, capacity - allocated) - pending, int(HEADROOM * capacity)
+            return free - pending, int(HEADROOM * total)
         resident = sum(b for g, b in mem["residents"]["train"].items() if g != "activations")
         held = sum(c.bytes for c in step.schedule.prefix_forms + step.schedule.train_prefix_forms)
         return capacity - resident - held, int(HEADROOM * capacity)

@@ -185,11 +185,15 @@ def logits_bytes(response_tokens: int, vocab_size: int) -> int:
     return LOGIT_COPIES * 4 * vocab_size * min(response_tokens, LOGIT_CHUNK)
 
 
-def no_recompute_bytes(graph_bytes_per_token: float, tokens: int, response_tokens: int, vocab_size: int) -> int:
-    """A training forward's activations with every block keeping its whole graph: `tokens` (responses and the
-    prefixes it computes, not those held from a fused prefill) at the whole graph's rate, plus the fp32 logits
-    (one LM-head chunk's: `logits_bytes`)."""
-    return math.ceil(graph_bytes_per_token * tokens) + logits_bytes(response_tokens, vocab_size)
+def no_recompute_bytes(prefix_bytes_per_token: float, prefix_tokens: int, suffix_bytes_per_token: float,
+                       response_tokens: int, vocab_size: int) -> int:
+    """A training forward's activations with every block keeping its whole graph: the prefixes it computes (not
+    those held from a fused prefill or a batched prefix forward) at the prefix graph's rate, a trainable tower's
+    blocks included; its responses at the suffix rate, the decoder layers' alone (a response token never enters the
+    vision tower: H200, 7B, img P = 8, micro-batches priced at the prefix rate were estimated at 18.6-31.0 GiB
+    and the largest whole graph measured 16.5); plus the fp32 logits (one LM-head chunk's: `logits_bytes`)."""
+    return (math.ceil(prefix_bytes_per_token * prefix_tokens + suffix_bytes_per_token * response_tokens)
+            + logits_bytes(response_tokens, vocab_size))
 
 
 def packed_key_bytes(key_tokens: int, layers: int, key_heads: int, head_dim: int, element_size: int) -> int:
@@ -204,9 +208,9 @@ def whole_graph_scale(previous: float, estimates: Sequence[int], measured: Seque
                       whole: Sequence[bool]) -> float:
     """What a training forward's whole graph took against `no_recompute_bytes`' estimate, the largest ratio over
     the forwards that kept it (`whole`) and the earlier steps' (`previous`), never below 1: the next steps'
-    choices multiply the estimate by it. The estimate's per-token rate is the prefix's graph, and a suffix forward
-    takes more per token (its attention over the prefix, log-probs and entropy in fp32): H200, 7B, vid P = 16,
-    a whole-graph micro-batch estimated at 17.1 GB ran out of the 24.6 GB it found free."""
+    choices multiply the estimate by it. A forward's backward allocates beyond what its graph saves (the
+    activations' gradients of the layer in flight, the logits' in fp32), which no per-token rate counts: H200, 7B,
+    vid P = 16, a whole-graph micro-batch estimated at 17.1 GB ran out of the 24.6 GB it found free."""
     ratios = [m / e for e, m, w in zip(estimates, measured, whole) if w and e > 0]
     return max([previous, 1.0, *ratios])
 
