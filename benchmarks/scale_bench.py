@@ -104,6 +104,8 @@ def memory_record(out, runner, engine, phase_timer: PhaseTimer) -> dict:
                          "held_compact_bytes": sum(b for b, _ in out.prefixes.compact_bytes.values()),
                          "ref_prefix_kv_peak_bytes": max(out.prefixes.peak_kv_bytes.values(), default=0),
                          "stage_peak_bytes": dict(phase_timer.peak_bytes),
+                         # the allocator's retries (each frees its cache, synchronising) and cudaMalloc/cudaFree calls
+                         "allocator_events": {k: dict(v) for k, v in phase_timer.allocator_events.items()},
                          # training's windows (executor._learn_train) and each stage's transient beyond its plan
                          "train_windows_bytes": s.memory.get("train_measured", {}),
                          "unplanned_bytes": s.memory.get("unplanned_measured", {})}}

@@ -192,6 +192,29 @@ def test_phase_timer_reset_and_nesting():
     assert timer.metrics() == {}
 
 
+def test_phase_timer_counts_the_allocators_retries_and_device_calls_per_phase(monkeypatch):
+    """CUDA's allocator counters stood in for: each phase gets the counts made inside it, a phase entered twice
+    their sum; a torch without a counter reads 0."""
+    from torchplex.components import peak_memory
+
+    books = {"num_alloc_retries": 0, "num_device_alloc": 10, "num_device_free": 4}
+    monkeypatch.setattr(PhaseTimer, "_on_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(books))
+    monkeypatch.setattr(peak_memory, "reset_peak", lambda device=None: None)
+    monkeypatch.setattr(peak_memory, "max_allocated", lambda device=None: 0)
+    timer = PhaseTimer(device="cpu")
+    for name, retries, allocs in (("train", 2, 5), ("ref", 0, 1), ("train", 1, 3)):
+        with timer.phase(name):
+            books["num_alloc_retries"] += retries
+            books["num_device_alloc"] += allocs
+    assert timer.allocator_events == {"train": {"alloc_retries": 3, "device_allocs": 8, "device_frees": 0},
+                                      "ref": {"alloc_retries": 0, "device_allocs": 1, "device_frees": 0}}
+    assert peak_memory.allocator_events({}) == {"alloc_retries": 0, "device_allocs": 0, "device_frees": 0}
+    timer.reset()
+    assert timer.allocator_events == {}
+
+
 # ---- tools/plot_metrics.py -------------------------------------------------------------------------
 
 

@@ -336,6 +336,8 @@ class PhaseTimer:
         self.device = torch.device(device)
         self.seconds: dict[str, float] = {}
         self.peak_bytes: dict[str, int] = {}
+        # CUDA: the allocator's retries and device allocations / frees in each phase (peak_memory.allocator_events)
+        self.allocator_events: dict[str, dict[str, int]] = {}
         self._active: str | None = None
 
     @property
@@ -350,6 +352,7 @@ class PhaseTimer:
         if self._on_cuda:
             torch.cuda.synchronize(self.device)
             peak_memory.reset_peak(self.device)
+            events = peak_memory.allocator_events(torch.cuda.memory_stats(self.device))
         start = time.perf_counter()
         try:
             yield
@@ -360,6 +363,11 @@ class PhaseTimer:
             peak = peak_memory.max_allocated(self.device) if self._on_cuda else process_peak_rss_bytes()
             self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
             self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), int(peak))
+            if self._on_cuda:
+                now = peak_memory.allocator_events(torch.cuda.memory_stats(self.device))
+                seen = self.allocator_events.setdefault(name, dict.fromkeys(now, 0))
+                for key, count in now.items():
+                    seen[key] += count - events[key]
             self._active = None
 
     def metrics(self) -> dict[str, float]:
@@ -374,3 +382,4 @@ class PhaseTimer:
     def reset(self) -> None:
         self.seconds.clear()
         self.peak_bytes.clear()
+        self.allocator_events.clear()

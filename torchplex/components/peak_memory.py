@@ -133,3 +133,14 @@ def pending_grad_bytes(params) -> int:
             local = p.to_local() if hasattr(p, "to_local") else p
             total += local.numel() * local.element_size()
     return total
+
+
+# the caching allocator's counters of work it does beyond handing out cached blocks (torch.cuda.memory_stats):
+# a retry frees every cached block (a device synchronisation) and allocates again; near a full device they cost
+ALLOCATOR_EVENTS = {"alloc_retries": "num_alloc_retries", "device_allocs": "num_device_alloc",
+                    "device_frees": "num_device_free"}
+
+
+def allocator_events(stats: dict) -> dict[str, int]:
+    """The allocator's event counts out of a `torch.cuda.memory_stats` dict (0 where this torch lacks a key)."""
+    return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_EVENTS.items()}
