@@ -42,6 +42,7 @@ from benchmarks.phase_mfu import (grids_of, logprob_mismatch, matmul_peak, phase
 from torchplex.components import peak_memory  # noqa: E402
 from torchplex.components.flops import mfu, prefill_flops  # noqa: E402
 from torchplex.components.metrics import PhaseTimer  # noqa: E402
+from torchplex.components.span_clock import span_totals  # noqa: E402
 from torchplex.models import fusion  # noqa: E402
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
@@ -189,6 +190,7 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
             row["peak_warm_up_gib"] = step_peak / 2**30  # planned from estimates: the rates are measured in it
             row["peak_warm_up_stage_gib"] = {str(k): v / 2**30 for k, v in timer.peak_bytes.items()}
             row["recompute_warm_up"] = recompute_record(out.schedule)
+            row["train_spans_warm_up"] = span_totals(out.train.spans)
         if rep or not a.repeats:
             row["peak_timed_gib"] = max(row.get("peak_timed_gib", 0.0), step_peak / 2**30)
             steps.append(step_s)
@@ -204,6 +206,8 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
     row["s_per_sample"] = row["step_s"] / row["samples"]
     row["window_phases"] = [str(ph.name) for ph in out.schedule.phases if ph.in_window]  # beside decode
     row["recompute"] = recompute_record(out.schedule)
+    # the last timed step's train stage, span by span (host and device seconds; components/span_clock)
+    row["train_spans"] = {"totals": span_totals(out.train.spans), "spans": out.train.spans}
     if peak:
         row.update(row_mfu(runner.actor.args, out, mode, row["phases_s"], statistics.median(prefill), peak))
     return row
@@ -409,6 +413,7 @@ def main(argv=None) -> dict:
                     cfg.runtime.batched_actor_prefix = not mode.endswith("-unbatched")
                     runners[mode] = build_step_runtime(cfg, actor, reference, engine, optimizer, None,
                                                        NullTokenizer())
+                    runners[mode].settings.time_train = True  # rows' train_spans: where training's time goes
                 row = run_row(a, mode, P, runners[mode], engine, prompts, params, device,
                               warm_up=a.warmup == "each" or (i == 0 and (k == 0 or a.warmup == "modes")), peak=peak)
                 if row["step_s"] > a.max_step_s:

@@ -23,6 +23,7 @@ import torch
 
 from ..components.captured_step import plain_tensors
 from ..components.peak_memory import PeakWindows, pending_grad_bytes
+from ..components.span_clock import SpanClock
 from ..distributed.fsdp import gathered, reshard
 from ..models.packing import suffix_key_heads
 from ..models.qwen2_5_vl.parallelize import is_checkpointed
@@ -64,6 +65,9 @@ class StepSettings:
     # checkpointed actor: "auto" = a training micro-batch skips the recompute when its whole graph fits in the free
     # memory at its forward (memory.recompute); "always" = every one recomputes
     recompute: str = "auto"
+    # time the train stage's spans (its batched prefix forward, each micro-batch, the held prefixes' backward, the
+    # optimizer step) on host and device (components/span_clock; TrainResult.spans): a diagnostic for benchmarks
+    time_train: bool = False
 
 
 @dataclass
@@ -469,6 +473,8 @@ class StepRunner:
         else:
             keep = step.experience.keep_groups.tolist()
             held = {id(step.prompts[c.prompt]): c.form for c in choices if c.form != NONE and keep[c.prompt]}
+        clock = SpanClock(self.device) if st.time_train else None
+        timed = clock.span if clock is not None else (lambda name: nullcontext())
         if held:  # batched_actor_prefix: the kept prompts' actor prefixes in batched forwards, held for epoch 0
             prefill = fused_prefill(self.scorer, self.actor, step.prefixes, held)
             prompts = [p for p in step.prompts if id(p) in held]
@@ -480,7 +486,7 @@ class StepRunner:
             # its transient beyond what the batches keep held (growth: what stays allocated): the train stage's
             # peak when larger than a micro-batch's or the held batches' backward (_learn_train)
             stays = self.windows.counter.allocated if self.windows.counter is not None else None
-            with self.windows.window("prefix_forward", growth=stays):
+            with timed("prefix_forward"), self.windows.window("prefix_forward", growth=stays):
                 for batch in batches:
                     prefill(batch)
             self._record_demotions(step, step.schedule.train_prefix_forms)
@@ -489,7 +495,10 @@ class StepRunner:
                                   whole_groups=step.schedule.mode != "serial", ppo_epochs=st.ppo_epochs,
                                   grad_clip=st.grad_clip, max_len=step.params.max_new_tokens, dp_size=self.dp_size,
                                   dp_group=self.dp_group, recompute_for=self._recompute_for(step),
-                                  windows=self.windows if self.windows.counter is not None else None)
+                                  windows=self.windows if self.windows.counter is not None else None,
+                                  clock=clock)
+        if clock is not None:
+            step.result.spans = clock.spans()
         step.schedule.memory.setdefault("recompute", {}).update(step.result.recompute)
         self._learn_train(step)
 

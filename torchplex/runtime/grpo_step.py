@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..components.optim import clip_grad_norm
 from ..components.peak_memory import PeakWindows, grad_bytes
+from ..components.span_clock import SpanClock
 from ..distributed.fsdp import reshard
 from ..models.qwen2_5_vl.parallelize import recompute
 from ..rl.advantages import compute_advantages, dynamic_sampling_keep
@@ -162,6 +163,9 @@ class TrainResult:
     # per choice of `recompute_for`, in order: what its micro-batch's window measured (its forward and backward above
     # what it found; empty without windows)
     measured_bytes: list[int] = field(default_factory=list)
+    # with a SpanClock (StepSettings.time_train): each micro-batch's forward and backward (named as its window), the
+    # batched prefix's backward and the optimizer step, timed on the host and the device (components/span_clock)
+    spans: list[dict] = field(default_factory=list)
 
 
 def all_reduce_sums(values: Sequence[float | torch.Tensor], device, dp_group) -> list[float]:
@@ -228,13 +232,14 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
                 *, temperature: float, micro_batch_size: int, whole_groups: bool, ppo_epochs: int,
                 grad_clip: float, max_len: int, dp_size: int = 1, dp_group=None,
                 recompute_for: Callable[[list[int], ScoreRequest], bool] | None = None,
-                windows: PeakWindows | None = None) -> TrainResult:
+                windows: PeakWindows | None = None, clock: SpanClock | None = None) -> TrainResult:
     """PPO-clip epochs over the kept samples with gradient accumulation; one optimizer step per epoch.
 
     recompute_for(micro-batch, request), asked before each forward: whether the actor's checkpointed blocks
     recompute in its backward (models/qwen2_5_vl/parallelize.recompute); None leaves them as they are.
     windows: measures each micro-batch's forward and backward ("recompute", "whole_graph", or "micro_batch" without
     a choice) and the batched prefix's backward ("prefix_backward"), above what they found (runtime/peak_memory).
+    clock: times the same spans and the optimizer step ("optimizer": clipping and the step) on host and device.
 
     Every micro-batch loss is normalised by the whole mini-batch's totals (summed over data-parallel ranks), so
     accumulating micro-batches equals one full-batch step, whatever the partition.
@@ -250,8 +255,14 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
         exp.old_logprobs = torch.zeros(exp.tokens.shape, dtype=torch.float32, device=exp.tokens.device)
     result = TrainResult(stats=None)
     trainable = [p for p in actor.parameters() if p.requires_grad]
-    window = (lambda name: windows.window(name, growth=lambda: grad_bytes(trainable))) if windows else (
+    measure = (lambda name: windows.window(name, growth=lambda: grad_bytes(trainable))) if windows else (
         lambda name: nullcontext())
+    timed = clock.span if clock is not None else (lambda name: nullcontext())
+
+    @contextmanager
+    def window(name):
+        with timed(name), measure(name):
+            yield
     epoch_stats: list[LossStats] = []
     entropies = []
     for epoch in range(ppo_epochs):
@@ -292,17 +303,18 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
                 result.measured_bytes.append(windows.last[name])
         with window("prefix_backward"):
             scorer.finish_backward()  # decomposed: the batched fused prefix's part, once every slice has its gradient
-        grad_norm = clip_grad_norm(trainable, grad_clip)
-        result.grad_norms.append(grad_norm)
-        finite = math.isfinite(grad_norm) and all(bool(torch.isfinite(s.loss)) for s in epoch_stats)
-        if dp_size > 1:  # one rank's non-finite loss must stop every rank's step, or the FSDP shards diverge
-            finite = all_reduce_sums([not finite], exp.tokens.device, dp_group)[0] == 0
-        if not finite:
-            optimizer.zero_grad(set_to_none=True)
-            result.skipped_nonfinite += 1
-            continue
-        reshard(actor)  # FSDP2: drop gathered copies so the step and the next forward see the same weights
-        optimizer.step()
+        with timed("optimizer"):
+            grad_norm = clip_grad_norm(trainable, grad_clip)
+            result.grad_norms.append(grad_norm)
+            finite = math.isfinite(grad_norm) and all(bool(torch.isfinite(s.loss)) for s in epoch_stats)
+            if dp_size > 1:  # one rank's non-finite loss must stop every rank's step, or the FSDP shards diverge
+                finite = all_reduce_sums([not finite], exp.tokens.device, dp_group)[0] == 0
+            if not finite:
+                optimizer.zero_grad(set_to_none=True)
+                result.skipped_nonfinite += 1
+                continue
+            reshard(actor)  # FSDP2: drop gathered copies so the step and the next forward see the same weights
+            optimizer.step()
     if lr_scheduler is not None:
         lr_scheduler.step()
     optimizer.zero_grad(set_to_none=True)
