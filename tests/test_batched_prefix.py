@@ -6,6 +6,7 @@ prefixes where the train stage has no room."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -92,15 +93,74 @@ def test_no_room_in_training_keeps_the_per_micro_batch_prefix(setup):
 def test_planner_holds_what_the_train_room_allows_as_data():
     shape = StepShape(prompt_lengths=(100, 100, 100), group_size=4, max_new_tokens=8, kv_bytes_per_token=10,
                       activation_bytes_per_token=1000.0, compact_bytes_per_token=100.0, train_room_bytes=25_000)
-    s = plan_step(shape, PlanOptions(mode="decomposed", batched_actor_prefix=True))
+    one = plan_step(replace(shape, train_rounds=False), PlanOptions(mode="decomposed", batched_actor_prefix=True))
     # graphs of 100 kB do not fit; compact forms of 10 kB: two of them
-    assert [(c.form, c.bytes) for c in s.train_prefix_forms] == [(COMPACT, 10_000), (COMPACT, 10_000), (NONE, 0)]
-    assert s.phase(PhaseName.ACTOR_PREFIX).tokens == 200
-    assert s.phase(PhaseName.TRAIN).tokens == 100 + 3 * 4 * 8  # the unbatched prompt's prefix, every response
-    assert "actor_prefix" in s.phase(PhaseName.TRAIN).depends_on
+    assert [(c.form, c.bytes) for c in one.train_prefix_forms] == [(COMPACT, 10_000), (COMPACT, 10_000), (NONE, 0)]
+    assert one.phase(PhaseName.ACTOR_PREFIX).tokens == 200
+    assert one.phase(PhaseName.TRAIN).tokens == 100 + 3 * 4 * 8  # the unbatched prompt's prefix, every response
+    assert "actor_prefix" in one.phase(PhaseName.TRAIN).depends_on
+    # in rounds (one process): the third is held in a second round in the same room, once the first two are done
+    s = plan_step(shape, PlanOptions(mode="decomposed", batched_actor_prefix=True))
+    assert [(c.form, c.bytes, c.round) for c in s.train_prefix_forms] == [
+        (COMPACT, 10_000, 0), (COMPACT, 10_000, 0), (COMPACT, 10_000, 1)]
+    assert s.phase(PhaseName.ACTOR_PREFIX).holds_bytes == 20_000  # one round at a time
+    assert s.phase(PhaseName.ACTOR_PREFIX).tokens == 300 and s.phase(PhaseName.TRAIN).tokens == 3 * 4 * 8
+    assert any("2 rounds" in r for r in s.reasons)
     off = plan_step(shape, PlanOptions(mode="decomposed", batched_actor_prefix=False))
     assert not off.train_prefix_forms and not off.has(PhaseName.ACTOR_PREFIX)
     assert not plan_step(shape, PlanOptions(mode="overlapped", batched_actor_prefix=True)).train_prefix_forms
+
+
+def test_rounds_of_held_prefixes_as_data():
+    from torchplex.runtime.memory_budget import choose_train_rounds, held_at_once_bytes
+
+    # 1 kB per token whole, 100 B compact, a 25 kB room: prompts of 100 tokens -> 2 compact per round; a prompt of
+    # 300 tokens (30 kB compact) cannot fit even alone: it and those after it are computed per micro-batch
+    c = choose_train_rounds((100, 100, 100, 100, 100, 300, 100), 1000.0, 25_000, compact_bytes_per_token=100.0)
+    assert [(x.prompt, x.form, x.round) for x in c] == [
+        (0, COMPACT, 0), (1, COMPACT, 0), (2, COMPACT, 1), (3, COMPACT, 1), (4, COMPACT, 2), (5, NONE, 0),
+        (6, NONE, 0)]
+    assert held_at_once_bytes(c) == 20_000 and c[0].reason.startswith("round 0: ")
+    # a round's room is the whole room again: a second round of one prompt holds its whole graph (10 kB)
+    c = choose_train_rounds((100, 10), 1000.0, 10_500, compact_bytes_per_token=100.0)
+    assert [(x.form, x.round) for x in c] == [(COMPACT, 0), (GRAPH, 1)]
+    # everything in one round: as choose_prefix_forms, no round named
+    c = choose_train_rounds((10, 10), 1000.0, 10**6, compact_bytes_per_token=100.0)
+    assert [(x.form, x.round) for x in c] == [(GRAPH, 0), (GRAPH, 0)] and not c[0].reason.startswith("round")
+
+
+@pytest.mark.parametrize("micro_batch", [4, 8, 2])
+def test_held_prefixes_in_rounds_give_the_plain_decomposed_step(setup, micro_batch):
+    """A train room that holds one prompt's compact prefix at a time: three rounds, each held, trained and
+    backpropagated before the next (micro-batches of one prompt, of two, and of half a group); the same losses
+    and gradients as the plain decomposed step (fp32, <= 1e-5), and each round's spans in order."""
+    plain_runner, plain, _ = step(setup, False, micro_batch=micro_batch)
+    _, probe, _ = step(setup, True, micro_batch=micro_batch)
+    compact = max(c.bytes for c in probe.schedule.train_prefix_forms if c.form == COMPACT) if any(
+        c.form == COMPACT for c in probe.schedule.train_prefix_forms) else None
+    residents = sum(b for g, b in probe.schedule.memory["residents"]["train"].items())
+    # room: the largest prompt's compact form and a little (forms are chosen from the planner's rates)
+    rates = probe.schedule.train_prefix_forms
+    largest = max(c.tokens for c in rates)
+    runner = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=micro_batch, kv_pool=2 * 2**20,
+                        time_train=True)
+    shape = runner.shape(setup[1], SamplingParams(n=4, max_new_tokens=6, seed=3))
+    room = math.ceil(shape.compact_bytes_per_token * largest * 1.01)
+    runner.settings.plan = replace(runner.settings.plan, memory_budget_bytes=math.ceil(
+        (residents + room) / (1 - HEADROOM)))
+    forwards = []
+    out = run_recording(runner, setup, runner.actor.layers[0],
+                        lambda args: forwards.append((torch.is_grad_enabled(), tuple(args[0].shape))))
+    forms = out.schedule.train_prefix_forms
+    assert [c.round for c in forms] == [0, 1, 2] and {c.form for c in forms} == {COMPACT}, (compact, forms)
+    names = [s["name"] for s in out.train.spans]
+    assert names.count("prefix_forward") == 3 and names.count("prefix_backward") == 3
+    assert names[0] == "prefix_forward" and names[-2:] == ["prefix_backward", "optimizer"]
+    assert out.schedule.phase(PhaseName.ACTOR_PREFIX).holds_bytes == max(c.bytes for c in forms)
+    assert rel(out.train.stats.loss, plain.train.stats.loss) < TOL
+    for g, r in zip(runner.optimizer.grads, plain_runner.optimizer.grads, strict=True):
+        assert rel(g, r) < TOL
+    assert not out.prefixes._held
 
 
 def test_the_config_key_reaches_the_planner():

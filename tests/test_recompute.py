@@ -35,7 +35,8 @@ def test_needs_recompute_when_the_whole_graph_does_not_fit_the_free_memory_less_
     # responses on held prefixes: the suffix rate alone
     assert no_recompute_bytes(1500.0, 0, 1000.0, 4, 8) == 4_384
     # the LM head runs 1,024 rows at a time (rl/logprobs): the fp32 logits of one chunk, not of every token
-    assert no_recompute_bytes(0.0, 0, 0.0, 5000, 8) == no_recompute_bytes(0.0, 0, 0.0, LOGIT_CHUNK, 8) == 3 * 4 * 8 * 1024
+    chunk = no_recompute_bytes(0.0, 0, 0.0, LOGIT_CHUNK, 8)
+    assert no_recompute_bytes(0.0, 0, 0.0, 5000, 8) == chunk == 3 * 4 * 8 * 1024
 
 
 def test_recompute_form_is_layer_inputs_plus_one_layer_plus_logits():

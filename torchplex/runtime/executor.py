@@ -32,7 +32,7 @@ from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
 from .memory_budget import (COMPACT, FIRST_TRAIN_UNPLANNED, HEADROOM, NONE, PREFIX_GRADS, UNPLANNED, MemoryBudget,
                             PrefixChoice, agree_on_held_form, agree_on_recompute, batch_token_bound, device_capacity,
-                            held_gradient_bytes, kv_pool_bytes, needs_recompute, no_recompute_bytes,
+                            held_at_once_bytes, held_gradient_bytes, kv_pool_bytes, needs_recompute, no_recompute_bytes,
                             packed_key_bytes, prefix_backward_rate, recompute_train_bytes, step_residents,
                             whole_graph_scale)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
@@ -187,7 +187,8 @@ class StepRunner:
                          ppo_epochs=self.settings.ppo_epochs, kv_bytes_per_token=self._kv_bytes_per_token(),
                          activation_bytes_per_token=self._activation_bytes_per_token or self._graph_estimate(),
                          compact_bytes_per_token=self._compact_bytes_per_token or self._compact_estimate(),
-                         ref_prefix_batchable=self._ref_prefix_unbatchable(params.n), device=self.device.type)
+                         ref_prefix_batchable=self._ref_prefix_unbatchable(params.n), device=self.device.type,
+                         train_rounds=self.dp_size == 1)
 
     def _ref_prefix_unbatchable(self, group_size: int) -> str:
         """Why the reference prefixes cannot run batched ahead of the suffixes ("" when they can): on several ranks
@@ -475,9 +476,19 @@ class StepRunner:
             held = {id(step.prompts[c.prompt]): c.form for c in choices if c.form != NONE and keep[c.prompt]}
         clock = SpanClock(self.device) if st.time_train else None
         timed = clock.span if clock is not None else (lambda name: nullcontext())
-        if held:  # batched_actor_prefix: the kept prompts' actor prefixes in batched forwards, held for epoch 0
-            prefill = fused_prefill(self.scorer, self.actor, step.prefixes, held)
-            prompts = [p for p in step.prompts if id(p) in held]
+        # each prompt's round (memory_budget.choose_train_rounds); a prompt held in none runs with the last round
+        last = max((c.round for c in choices if c.form != NONE), default=0)
+        rounds = [last] * len(step.prompts)
+        for c in choices:
+            if c.form != NONE:
+                rounds[c.prompt] = c.round
+        prefill = fused_prefill(self.scorer, self.actor, step.prefixes, held) if held else None
+
+        def hold_round(r: int) -> None:  # batched_actor_prefix: a round's kept prompts' actor prefixes in batched
+            # forwards, held for epoch 0's micro-batches of the round
+            prompts = [p for b, p in enumerate(step.prompts) if id(p) in held and rounds[b] == r]
+            if not prompts:
+                return
             # one batch per group of similar lengths (little padding held) of at most HELD_BATCH_TOKENS (their
             # backward's transient: memory_budget.batch_token_bound); data-parallel ranks run one batch each, as
             # their FSDP2 gathers must match in number whatever their prompts' lengths
@@ -489,6 +500,9 @@ class StepRunner:
             with timed("prefix_forward"), self.windows.window("prefix_forward", growth=stays):
                 for batch in batches:
                     prefill(batch)
+
+        if held:
+            hold_round(0)
             self._record_demotions(step, step.schedule.train_prefix_forms)
         step.result = train_phase(self.actor, self.scorer, step.experience, self.optimizer, self.lr_scheduler,
                                   st.loss, temperature=st.temperature, micro_batch_size=st.micro_batch_size,
@@ -496,7 +510,7 @@ class StepRunner:
                                   grad_clip=st.grad_clip, max_len=step.params.max_new_tokens, dp_size=self.dp_size,
                                   dp_group=self.dp_group, recompute_for=self._recompute_for(step),
                                   windows=self.windows if self.windows.counter is not None else None,
-                                  clock=clock)
+                                  clock=clock, rounds=rounds if held and last else None, hold_round=hold_round)
         if clock is not None:
             step.result.spans = clock.spans()
         step.schedule.memory.setdefault("recompute", {}).update(step.result.recompute)
@@ -603,5 +617,5 @@ class StepRunner:
                 return min(free, capacity - allocated) - pending, int(HEADROOM * capacity)
             return free - pending, int(HEADROOM * total)
         resident = sum(b for g, b in mem["residents"]["train"].items() if g != "activations")
-        held = sum(c.bytes for c in step.schedule.prefix_forms + step.schedule.train_prefix_forms)
+        held = sum(c.bytes for c in step.schedule.prefix_forms) + held_at_once_bytes(step.schedule.train_prefix_forms)
         return capacity - resident - held, int(HEADROOM * capacity)

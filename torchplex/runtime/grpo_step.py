@@ -232,7 +232,8 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
                 *, temperature: float, micro_batch_size: int, whole_groups: bool, ppo_epochs: int,
                 grad_clip: float, max_len: int, dp_size: int = 1, dp_group=None,
                 recompute_for: Callable[[list[int], ScoreRequest], bool] | None = None,
-                windows: PeakWindows | None = None, clock: SpanClock | None = None) -> TrainResult:
+                windows: PeakWindows | None = None, clock: SpanClock | None = None,
+                rounds: Sequence[int] | None = None, hold_round: Callable[[int], None] | None = None) -> TrainResult:
     """PPO-clip epochs over the kept samples with gradient accumulation; one optimizer step per epoch.
 
     recompute_for(micro-batch, request), asked before each forward: whether the actor's checkpointed blocks
@@ -240,6 +241,9 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
     windows: measures each micro-batch's forward and backward ("recompute", "whole_graph", or "micro_batch" without
     a choice) and the batched prefix's backward ("prefix_backward"), above what they found (runtime/peak_memory).
     clock: times the same spans and the optimizer step ("optimizer": clipping and the step) on host and device.
+    rounds (one process only): each prompt's round of held prefixes (memory_budget.choose_train_rounds): the first
+    epoch runs the micro-batches of round 0's prompts, then the held prefixes' backward (`scorer.finish_backward`),
+    `hold_round(1)`, round 1's micro-batches, and so on (the caller held round 0 before); later epochs hold nothing.
 
     Every micro-batch loss is normalised by the whole mini-batch's totals (summed over data-parallel ranks), so
     accumulating micro-batches equals one full-batch step, whatever the partition.
@@ -251,6 +255,14 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
         return TrainResult(stats=None)
     batches = equal_micro_batches(micro_batches(samples, exp.group_size, micro_batch_size, whole_groups), exp,
                                   micro_batch_size, whole_groups, dp_size, dp_group)
+    # the first epoch's: (round, micro-batches of its prompts' samples), rounds in order
+    first = [(0, batches)]
+    if rounds is not None and max(rounds, default=0) > 0:
+        if dp_size > 1:
+            raise ValueError("held prefixes in rounds run on one process only (the ranks' collectives must match)")
+        first = [(r, [(mb, True) for mb in micro_batches([s for s in samples if rounds[s // exp.group_size] == r],
+                                                          exp.group_size, micro_batch_size, whole_groups)])
+                 for r in sorted(set(rounds))]
     if exp.old_logprobs is None:
         exp.old_logprobs = torch.zeros(exp.tokens.shape, dtype=torch.float32, device=exp.tokens.device)
     result = TrainResult(stats=None)
@@ -268,7 +280,13 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
     for epoch in range(ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         epoch_stats = []
-        for mb, live in batches:
+        plan = [(r, mb, live) for r, mbs in (first if epoch == 0 else [(0, batches)]) for mb, live in mbs]
+        held_round = 0  # the caller held round 0
+        for r, mb, live in plan:
+            if r != held_round:  # a new round: the last one's held prefixes backpropagate, then its own are held
+                with window("prefix_backward"):
+                    scorer.finish_backward()
+                hold_round(held_round := r)
             req = exp.request(mb)
             idx = torch.tensor(mb, device=exp.tokens.device)
             width = req.tokens.shape[1]

@@ -19,10 +19,11 @@ Each phase runs inside one main-stream stage (`Phase.stage`); `Schedule.stages()
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..rollout.protocol import RolloutCapabilities
-from .memory_budget import COMPACT, GRAPH, NONE, PrefixChoice, choose_prefix_forms
+from .memory_budget import (COMPACT, GRAPH, NONE, PrefixChoice, choose_prefix_forms, choose_train_rounds,
+                            held_at_once_bytes)
 from .phases import FUSED, MAIN, WINDOW, PhaseName, Stage, fused_into, stage_of, window_of
 
 
@@ -49,6 +50,9 @@ class StepShape:
     # forwards gather nothing across ranks, and reference micro-batches of whole groups); why not, otherwise
     ref_prefix_batchable: str = ""
     device: str = "cpu"
+    # training's held prefixes may come in rounds (memory_budget.choose_train_rounds): one process (data-parallel
+    # ranks hold one form for every prompt in one batch: their FSDP2 collectives must match)
+    train_rounds: bool = True
 
     @property
     def prefix_tokens(self) -> int:
@@ -300,21 +304,26 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
             s.phases.append(Phase(PhaseName.REF_SUFFIX, depends_on=("rollout", "ref_prefix"), tokens=R))
     batched = not overlapped and options.batched_actor_prefix
     if batched:
+        choose = choose_train_rounds if shape.train_rounds else choose_prefix_forms
         s.train_prefix_forms = [
-            PrefixChoice(c.prompt, c.form, c.tokens, c.bytes, f"held within training: {c.reason}")
-            for c in choose_prefix_forms(shape.prompt_lengths, shape.activation_bytes_per_token,
-                                         shape.train_room_bytes, compact_bytes_per_token=shape.compact_bytes_per_token)]
-        held_train = sum(c.bytes for c in s.train_prefix_forms)
+            replace(c, reason=f"held within training: {c.reason}")
+            for c in choose(shape.prompt_lengths, shape.activation_bytes_per_token, shape.train_room_bytes,
+                            compact_bytes_per_token=shape.compact_bytes_per_token)]
+        held_train = held_at_once_bytes(s.train_prefix_forms)
         count = sum(c.form != NONE for c in s.train_prefix_forms)
+        rounds = 1 + max((c.round for c in s.train_prefix_forms), default=0)
         batched = count > 0
         if batched:
             deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ())
+            where = ("before training's micro-batches" if rounds == 1 else
+                     f"in {rounds} rounds, each before its micro-batches and backpropagated after them")
             s.phases.append(Phase(PhaseName.ACTOR_PREFIX, depends_on=deps, holds_bytes=held_train,
                                   tokens=sum(c.tokens for c in s.train_prefix_forms if c.form != NONE),
-                                  note=f"{count} prompts in batched forwards before training's micro-batches"))
-            s.reasons.append(f"actor prefix batched at the start of training for {count} of "
-                             f"{len(shape.prompt_lengths)} prompts (room {shape.train_room_bytes / 2**30:.2f} GiB): one "
-                             "batched forward per group of similar lengths and one backward instead of one per micro-batch")
+                                  note=f"{count} prompts in batched forwards {where}"))
+            in_rounds = f", {rounds} rounds of what the room holds" if rounds > 1 else ""
+            s.reasons.append(f"actor prefix batched in training for {count} of {len(shape.prompt_lengths)} prompts "
+                             f"(room {shape.train_room_bytes / 2**30:.2f} GiB{in_rounds}): one batched forward per "
+                             "group of similar lengths and one backward instead of one per micro-batch")
         else:
             s.reasons.append("actor prefix not batched in training: no room for a held prefix in the train stage")
     train_deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ()) + (
