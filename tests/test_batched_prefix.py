@@ -108,7 +108,24 @@ def test_planner_holds_what_the_train_room_allows_as_data():
     assert any("2 rounds" in r for r in s.reasons)
     off = plan_step(shape, PlanOptions(mode="decomposed", batched_actor_prefix=False))
     assert not off.train_prefix_forms and not off.has(PhaseName.ACTOR_PREFIX)
-    assert not plan_step(shape, PlanOptions(mode="overlapped", batched_actor_prefix=True)).train_prefix_forms
+    # overlapped on several ranks: nothing held in training (the fused prefill's prompts aside)
+    assert not plan_step(replace(shape, train_rounds=False),
+                         PlanOptions(mode="overlapped", batched_actor_prefix=True)).train_prefix_forms
+
+
+def test_overlapped_holds_the_prompts_it_did_not_fuse_in_rounds_after_the_fused_ones_as_data():
+    """The rollout's room holds one prompt's compact prefix (10 kB of 15 kB); the train room two: the three left
+    out are held in training, two in round 1 and one in round 2, after the fused prompt (round 0)."""
+    shape = StepShape(prompt_lengths=(100, 100, 100, 100), group_size=4, max_new_tokens=8, kv_bytes_per_token=10,
+                      activation_bytes_per_token=1000.0, compact_bytes_per_token=100.0, prefix_room_bytes=15_000,
+                      train_room_bytes=25_000)
+    s = plan_step(shape, PlanOptions(mode="overlapped", batched_actor_prefix=True))
+    assert [c.form for c in s.prefix_forms] == [COMPACT, NONE, NONE, NONE]
+    assert [(c.prompt, c.form, c.round) for c in s.train_prefix_forms] == [
+        (1, COMPACT, 1), (2, COMPACT, 1), (3, COMPACT, 2)]
+    assert s.phase(PhaseName.TRAIN).tokens == 4 * 4 * 8  # every prefix held (fused or in a round): responses only
+    assert any("held in training in 2 round(s)" in r for r in s.reasons)
+    assert not plan_step(shape, PlanOptions(mode="overlapped", batched_actor_prefix=False)).train_prefix_forms
 
 
 def test_rounds_of_held_prefixes_as_data():
@@ -157,6 +174,33 @@ def test_held_prefixes_in_rounds_give_the_plain_decomposed_step(setup, micro_bat
     assert names.count("prefix_forward") == 3 and names.count("prefix_backward") == 3
     assert names[0] == "prefix_forward" and names[-2:] == ["prefix_backward", "optimizer"]
     assert out.schedule.phase(PhaseName.ACTOR_PREFIX).holds_bytes == max(c.bytes for c in forms)
+    assert rel(out.train.stats.loss, plain.train.stats.loss) < TOL
+    for g, r in zip(runner.optimizer.grads, plain_runner.optimizer.grads, strict=True):
+        assert rel(g, r) < TOL
+    assert not out.prefixes._held
+
+
+def test_overlapped_holds_its_unfused_prompts_in_training_rounds_and_gives_the_plain_step(setup):
+    """A budget whose room holds one compact prefix at a time: the fused prefill holds the first prompt (round 0)
+    and training the two it left out, in rounds 1 and 2, each held, trained and backpropagated before the next;
+    the same losses and gradients as the plain decomposed step (fp32, <= 1e-5)."""
+    plain_runner, plain, _ = step(setup, False)
+    runner = cpu_runner(setup, "overlapped", budget=2**40, micro_batch=4, kv_pool=2 * 2**20, time_train=True)
+    params = SamplingParams(n=4, max_new_tokens=6, seed=3)
+    shape = runner.shape(setup[1], params)
+    residents = runner.memory_budget(shape, params).residents
+    fullest = max(sum(r.values()) for r in residents.values())
+    room = math.ceil(shape.compact_bytes_per_token * max(shape.prompt_lengths) * 1.01)
+    runner.settings.plan = replace(runner.settings.plan, memory_budget_bytes=math.ceil(
+        (fullest + room) / (1 - HEADROOM)))
+    forwards = []
+    out = run_recording(runner, setup, runner.actor.layers[0],
+                        lambda args: forwards.append((torch.is_grad_enabled(), tuple(args[0].shape))))
+    assert [c.form for c in out.schedule.prefix_forms] == [COMPACT, NONE, NONE]
+    assert [(c.prompt, c.form, c.round) for c in out.schedule.train_prefix_forms] == [
+        (1, COMPACT, 1), (2, COMPACT, 2)]
+    names = [s["name"] for s in out.train.spans]  # round 0's backward, then each training round's forward and backward
+    assert names.count("prefix_forward") == 2 and names.count("prefix_backward") == 3
     assert rel(out.train.stats.loss, plain.train.stats.loss) < TOL
     for g, r in zip(runner.optimizer.grads, plain_runner.optimizer.grads, strict=True):
         assert rel(g, r) < TOL

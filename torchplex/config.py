@@ -221,7 +221,9 @@ class RuntimeConfig:
     ref_prefix_graphs: bool = False
     # decomposed: the step's actor prefixes in batched forwards at the start of training, held for the first
     # epoch's micro-batches as the train stage's memory allows, their backward one batched pass (planner.PlanOptions);
-    # false: one prefix forward and backward per micro-batch
+    # on one process the prompts that room leaves out follow in rounds of the same room, and overlapped holds the
+    # prompts its fused prefill left out in such rounds (memory_budget.choose_train_rounds); false: one prefix
+    # forward and backward per micro-batch for every prompt not held
     batched_actor_prefix: bool = True
     # decomposed/overlapped: every prompt's reference prefix in batched no-grad forwards at the start of the ref stage,
     # their K/V held for the reference micro-batches' suffixes (planner.PlanOptions)

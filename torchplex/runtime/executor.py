@@ -188,7 +188,7 @@ class StepRunner:
                          activation_bytes_per_token=self._activation_bytes_per_token or self._graph_estimate(),
                          compact_bytes_per_token=self._compact_bytes_per_token or self._compact_estimate(),
                          ref_prefix_batchable=self._ref_prefix_unbatchable(params.n), device=self.device.type,
-                         train_rounds=self.dp_size == 1)
+                         train_rounds=self.dp_size == 1 and plain_tensors(self.actor))
 
     def _ref_prefix_unbatchable(self, group_size: int) -> str:
         """Why the reference prefixes cannot run batched ahead of the suffixes ("" when they can): on several ranks
@@ -435,9 +435,9 @@ class StepRunner:
             if held == c.form:
                 continue
             rate = self._compact_bytes_per_token or self._compact_estimate()
-            forms[i] = PrefixChoice(c.prompt, held, c.tokens, math.ceil(rate * c.tokens) if held == COMPACT else 0,
-                                    f"planned {planned}, held {held}: alone in its form in its prefill batch, a "
-                                    "compiled forward of one prompt would compile anew (overlap.fused_prefill)")
+            forms[i] = replace(c, form=held, bytes=math.ceil(rate * c.tokens) if held == COMPACT else 0,
+                               reason=f"planned {planned}, held {held}: alone in its form in its prefill batch, a "
+                               "compiled forward of one prompt would compile anew (overlap.fused_prefill)")
             changed += 1
         if changed:
             step.schedule.reasons.append(f"{changed} prompt(s) held in a smaller form than planned: alone in their "
@@ -476,10 +476,11 @@ class StepRunner:
             held = {id(step.prompts[c.prompt]): c.form for c in choices if c.form != NONE and keep[c.prompt]}
         clock = SpanClock(self.device) if st.time_train else None
         timed = clock.span if clock is not None else (lambda name: nullcontext())
-        # each prompt's round (memory_budget.choose_train_rounds); a prompt held in none runs with the last round
+        # each prompt's round (memory_budget.choose_train_rounds; overlapped: the fused prompts are round 0); a
+        # prompt held in none runs with the last round
         last = max((c.round for c in choices if c.form != NONE), default=0)
         rounds = [last] * len(step.prompts)
-        for c in choices:
+        for c in step.schedule.prefix_forms + choices:
             if c.form != NONE:
                 rounds[c.prompt] = c.round
         prefill = fused_prefill(self.scorer, self.actor, step.prefixes, held) if held else None
@@ -503,7 +504,6 @@ class StepRunner:
 
         if held:
             hold_round(0)
-            self._record_demotions(step, step.schedule.train_prefix_forms)
         step.result = train_phase(self.actor, self.scorer, step.experience, self.optimizer, self.lr_scheduler,
                                   st.loss, temperature=st.temperature, micro_batch_size=st.micro_batch_size,
                                   whole_groups=step.schedule.mode != "serial", ppo_epochs=st.ppo_epochs,
@@ -511,6 +511,8 @@ class StepRunner:
                                   dp_group=self.dp_group, recompute_for=self._recompute_for(step),
                                   windows=self.windows if self.windows.counter is not None else None,
                                   clock=clock, rounds=rounds if held and last else None, hold_round=hold_round)
+        if held:  # every round's forms as they were held
+            self._record_demotions(step, step.schedule.train_prefix_forms)
         if clock is not None:
             step.result.spans = clock.spans()
         step.schedule.memory.setdefault("recompute", {}).update(step.result.recompute)
@@ -549,13 +551,15 @@ class StepRunner:
 
     def _held_batch_cap(self) -> int:
         """The most padded tokens one batch of held prefixes takes (0: this runner holds none in batches): the
-        rollout's prefill batch (overlapped, fused) or HELD_BATCH_TOKENS (decomposed, batched_actor_prefix)."""
-        plan = self.settings.plan
+        rollout's prefill batch (overlapped, fused) or HELD_BATCH_TOKENS (batched_actor_prefix: decomposed's
+        batches, overlapped's rounds in training), the larger where both apply."""
+        plan, caps = self.settings.plan, [0]
         if plan.mode == "overlapped" and plan.fuse_actor_prefix and self.engine.capabilities.prefill_hook:
-            return getattr(self.engine, "prefill_tokens", HELD_BATCH_TOKENS)
-        if plan.mode == "decomposed" and plan.batched_actor_prefix:
-            return HELD_BATCH_TOKENS
-        return 0
+            caps.append(getattr(self.engine, "prefill_tokens", HELD_BATCH_TOKENS))
+        # decomposed's batched prefixes; overlapped's rounds in training for the prompts not fused (one process)
+        if plan.batched_actor_prefix and (plan.mode == "decomposed" or plan.mode == "overlapped" and self.dp_size == 1):
+            caps.append(HELD_BATCH_TOKENS)
+        return max(caps)
 
     def _recompute_for(self, step: _Step):
         """The train phase's per-micro-batch choice (memory.recompute): "always" True; "auto" True unless the

@@ -154,15 +154,16 @@ def choose_prefix_forms(prompt_lengths: tuple[int, ...], graph_bytes_per_token: 
 
 
 def choose_train_rounds(prompt_lengths: tuple[int, ...], graph_bytes_per_token: float, room_bytes: int,
-                        compact_bytes_per_token: float = 0) -> list[PrefixChoice]:
-    """Training's held prefixes in rounds: round 0 as `choose_prefix_forms` holds them in the room; the prompts it
-    leaves out are chosen again in the same room for round 1, and so on, until every prompt is held or one cannot
-    fit even alone (it and those after it: none). The train stage holds one round at a time: its micro-batches
-    take the round's prefixes, the round's batched backward frees them, then the next round's are computed (H200,
-    7B, img P = 64: the 16 prompts one room left out ran their prefixes per micro-batch, 0.9 s each against 0.35 s
-    for a held one)."""
+                        compact_bytes_per_token: float = 0, first_round: int = 0) -> list[PrefixChoice]:
+    """Training's held prefixes in rounds: round `first_round` as `choose_prefix_forms` holds them in the room; the
+    prompts it leaves out are chosen again in the same room for the next round, and so on, until every prompt is
+    held or one cannot fit even alone (it and those after it: none). The train stage holds one round at a time: its
+    micro-batches take the round's prefixes, the round's batched backward frees them, then the next round's are
+    computed (H200, 7B, img P = 64: the 16 prompts one room left out ran their prefixes per micro-batch, 0.9 s each
+    against 0.35 s for a held one). Overlapped: round 0 is the prefixes held from the fused prefill, and the
+    prompts it left out start at round 1."""
     choices: list[PrefixChoice] = []
-    start, r = 0, 0
+    start, r = 0, first_round
     while start < len(prompt_lengths):
         chosen = choose_prefix_forms(prompt_lengths[start:], graph_bytes_per_token, room_bytes,
                                      compact_bytes_per_token=compact_bytes_per_token)
@@ -171,7 +172,7 @@ def choose_train_rounds(prompt_lengths: tuple[int, ...], graph_bytes_per_token: 
         if not held:  # not even one fits alone: computed per micro-batch
             choices += [replace(c, prompt=start + c.prompt) for c in rest]
             break
-        note = f"round {r}: " if r or rest else ""
+        note = f"round {r}: " if r or rest else ""  # one round alone is not named
         choices += [replace(c, prompt=start + c.prompt, round=r, reason=note + c.reason) for c in held]
         start, r = start + len(held), r + 1
     return choices

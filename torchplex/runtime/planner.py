@@ -51,7 +51,8 @@ class StepShape:
     ref_prefix_batchable: str = ""
     device: str = "cpu"
     # training's held prefixes may come in rounds (memory_budget.choose_train_rounds): one process (data-parallel
-    # ranks hold one form for every prompt in one batch: their FSDP2 collectives must match)
+    # ranks hold one form for every prompt in one batch: their FSDP2 collectives must match) and an actor of plain
+    # tensors (overlap.SavedBytes reads each parameter's storage, which a tensor-parallel DTensor does not expose)
     train_rounds: bool = True
 
     @property
@@ -78,7 +79,8 @@ class PlanOptions:
     # group of similar lengths: overlap.length_groups), held (compact or whole graph, as the train stage's room
     # allows) for the first epoch's micro-batches, their backward one batched pass after the last
     # (DecomposedScorer.finish_backward): fewer, larger kernels than one prefix forward and backward per
-    # micro-batch, which at micro-batch 8 the host's launch rate bounds (H200, img P = 32: training 33 -> 44 % MFU)
+    # micro-batch, which at micro-batch 8 the host's launch rate bounds (H200, img P = 32: training 33 -> 44 % MFU);
+    # what the room leaves out in later rounds (StepShape.train_rounds), overlapped's unfused prompts likewise
     batched_actor_prefix: bool = True
     # decomposed/overlapped: the reference prefixes of every prompt in batched no-grad forwards at the start of the
     # ref stage (one per group of similar lengths), their K/V held for the reference micro-batches' suffixes (the
@@ -326,10 +328,25 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
                              "group of similar lengths and one backward instead of one per micro-batch")
         else:
             s.reasons.append("actor prefix not batched in training: no room for a held prefix in the train stage")
+    left = [i for i, c in enumerate(s.prefix_forms) if c.form == NONE]
+    rounds_after = overlapped and options.batched_actor_prefix and shape.train_rounds and bool(left)
+    if rounds_after:  # the prompts the fused prefill left out: held in training, in rounds after the fused ones
+        chosen = choose_train_rounds(tuple(shape.prompt_lengths[i] for i in left), shape.activation_bytes_per_token,
+                                     shape.train_room_bytes, compact_bytes_per_token=shape.compact_bytes_per_token,
+                                     first_round=1)
+        s.train_prefix_forms = [replace(c, prompt=left[c.prompt], reason=f"held within training: {c.reason}")
+                                for c in chosen]
+        count = sum(c.form != NONE for c in s.train_prefix_forms)
+        if count:
+            rounds = len({c.round for c in s.train_prefix_forms if c.form != NONE})
+            s.reasons.append(f"actor prefix of {count} of the {len(left)} prompts not fused held in training in "
+                             f"{rounds} round(s) after the fused prompts' backward (room "
+                             f"{shape.train_room_bytes / 2**30:.2f} GiB): batched forwards instead of one per "
+                             "micro-batch")
     train_deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ()) + (
         ("actor_prefix",) if fuse or batched else ())
     fused_tokens = sum(shape.prompt_lengths[i] for i in fused)
-    if batched:  # epoch 0's are the actor_prefix phase's
+    if batched or rounds_after:  # epoch 0's are the actor_prefix phase's, or (overlapped) the train stage's rounds
         fused_tokens += sum(c.tokens for c in s.train_prefix_forms if c.form != NONE)
     prefix_tokens = shape.ppo_epochs * P - fused_tokens
     s.phases.append(Phase(PhaseName.TRAIN, depends_on=train_deps, tokens=prefix_tokens + shape.ppo_epochs * R,
