@@ -146,21 +146,26 @@ def test_rounds_of_held_prefixes_as_data():
     assert [(x.form, x.round) for x in c] == [(GRAPH, 0), (GRAPH, 0)] and not c[0].reason.startswith("round")
 
 
+def one_prompt_room(setup, mode: str, micro_batch: int = 4):
+    """A runner (train spans timed) whose budget leaves a room for one prompt's compact prefix at a time: the
+    longest prompt's at the planner's rate, and a little, over the fullest stage of a batched runner's plan."""
+    runner = cpu_runner(setup, mode, budget=2**40, micro_batch=micro_batch, kv_pool=2 * 2**20, time_train=True)
+    params = SamplingParams(n=4, max_new_tokens=6, seed=3)
+    shape = runner.shape(setup[1], params)
+    fullest = max(sum(r.values()) for r in runner.memory_budget(shape, params).residents.values())
+    room = math.ceil(shape.compact_bytes_per_token * max(shape.prompt_lengths) * 1.01)
+    runner.settings.plan = replace(runner.settings.plan, memory_budget_bytes=math.ceil(
+        (fullest + room) / (1 - HEADROOM)))
+    return runner
+
+
 @pytest.mark.parametrize("micro_batch", [4, 8, 2])
 def test_held_prefixes_in_rounds_give_the_plain_decomposed_step(setup, micro_batch):
     """A train room that holds one prompt's compact prefix at a time: three rounds, each held, trained and
     backpropagated before the next (micro-batches of one prompt, of two, and of half a group); the same losses
     and gradients as the plain decomposed step (fp32, <= 1e-5), and each round's spans in order."""
     plain_runner, plain, _ = step(setup, False, micro_batch=micro_batch)
-    _, probe, _ = step(setup, True, micro_batch=micro_batch)
-    residents = sum(probe.schedule.memory["residents"]["train"].values())
-    runner = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=micro_batch, kv_pool=2 * 2**20,
-                        time_train=True)
-    shape = runner.shape(setup[1], SamplingParams(n=4, max_new_tokens=6, seed=3))
-    # the room: the longest prompt's compact form and a little (the planner's rate), not two prompts' forms
-    room = math.ceil(shape.compact_bytes_per_token * max(shape.prompt_lengths) * 1.01)
-    runner.settings.plan = replace(runner.settings.plan, memory_budget_bytes=math.ceil(
-        (residents + room) / (1 - HEADROOM)))
+    runner = one_prompt_room(setup, "decomposed", micro_batch)
     out = run_recording(runner, setup, runner.actor.layers[0], lambda args: None)
     forms = out.schedule.train_prefix_forms
     assert [c.round for c in forms] == [0, 1, 2] and {c.form for c in forms} == {COMPACT}
@@ -174,19 +179,39 @@ def test_held_prefixes_in_rounds_give_the_plain_decomposed_step(setup, micro_bat
     assert not out.prefixes._held
 
 
+def test_a_round_whose_prompts_were_all_dropped_is_skipped_and_the_next_one_still_held(setup, monkeypatch):
+    """Dynamic sampling drops the first prompt's group, the only prompt of round 0: training starts with round 1,
+    which it still holds before its micro-batches (not per micro-batch), and the step equals the plain decomposed
+    step with the same group dropped."""
+    from torchplex.runtime import executor
+
+    build = executor.build_experience
+
+    def dropping_the_first(*args, **kwargs):
+        exp = build(*args, **kwargs)
+        exp.keep_groups[0] = False
+        return exp
+
+    monkeypatch.setattr(executor, "build_experience", dropping_the_first)
+    plain_runner, plain, _ = step(setup, False)
+    runner = one_prompt_room(setup, "decomposed")
+    out = run_recording(runner, setup, runner.actor.layers[0], lambda args: None)
+    assert [c.round for c in out.schedule.train_prefix_forms] == [0, 1, 2]
+    names = [s["name"] for s in out.train.spans]
+    assert names.count("prefix_forward") == 2  # rounds 1 and 2; round 0 held nothing
+    assert out.train.recompute["on"] + out.train.recompute["off"] == 2  # the kept groups' micro-batches
+    assert rel(out.train.stats.loss, plain.train.stats.loss) < TOL
+    for g, r in zip(runner.optimizer.grads, plain_runner.optimizer.grads, strict=True):
+        assert rel(g, r) < TOL
+    assert not out.prefixes._held
+
+
 def test_overlapped_holds_its_unfused_prompts_in_training_rounds_and_gives_the_plain_step(setup):
     """A budget whose room holds one compact prefix at a time: the fused prefill holds the first prompt (round 0)
     and training the two it left out, in rounds 1 and 2, each held, trained and backpropagated before the next;
     the same losses and gradients as the plain decomposed step (fp32, <= 1e-5)."""
     plain_runner, plain, _ = step(setup, False)
-    runner = cpu_runner(setup, "overlapped", budget=2**40, micro_batch=4, kv_pool=2 * 2**20, time_train=True)
-    params = SamplingParams(n=4, max_new_tokens=6, seed=3)
-    shape = runner.shape(setup[1], params)
-    residents = runner.memory_budget(shape, params).residents
-    fullest = max(sum(r.values()) for r in residents.values())
-    room = math.ceil(shape.compact_bytes_per_token * max(shape.prompt_lengths) * 1.01)
-    runner.settings.plan = replace(runner.settings.plan, memory_budget_bytes=math.ceil(
-        (fullest + room) / (1 - HEADROOM)))
+    runner = one_prompt_room(setup, "overlapped")
     out = run_recording(runner, setup, runner.actor.layers[0], lambda args: None)
     assert [c.form for c in out.schedule.prefix_forms] == [COMPACT, NONE, NONE]
     assert [(c.prompt, c.form, c.round) for c in out.schedule.train_prefix_forms] == [
