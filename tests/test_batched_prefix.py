@@ -146,10 +146,11 @@ def test_rounds_of_held_prefixes_as_data():
     assert [(x.form, x.round) for x in c] == [(GRAPH, 0), (GRAPH, 0)] and not c[0].reason.startswith("round")
 
 
-def one_prompt_room(setup, mode: str, micro_batch: int = 4):
+def one_prompt_room(setup, mode: str, micro_batch: int = 4, ppo_epochs: int = 1):
     """A runner (train spans timed) whose budget leaves a room for one prompt's compact prefix at a time: the
     longest prompt's at the planner's rate, and a little, over the fullest stage of a batched runner's plan."""
-    runner = cpu_runner(setup, mode, budget=2**40, micro_batch=micro_batch, kv_pool=2 * 2**20, time_train=True)
+    runner = cpu_runner(setup, mode, budget=2**40, micro_batch=micro_batch, kv_pool=2 * 2**20, time_train=True,
+                        ppo_epochs=ppo_epochs)
     params = SamplingParams(n=4, max_new_tokens=6, seed=3)
     shape = runner.shape(setup[1], params)
     fullest = max(sum(r.values()) for r in runner.memory_budget(shape, params).residents.values())
@@ -159,19 +160,21 @@ def one_prompt_room(setup, mode: str, micro_batch: int = 4):
     return runner
 
 
-@pytest.mark.parametrize("micro_batch", [4, 8, 2])
-def test_held_prefixes_in_rounds_give_the_plain_decomposed_step(setup, micro_batch):
+@pytest.mark.parametrize("micro_batch,ppo_epochs", [(4, 1), (8, 1), (2, 1), (4, 2)])
+def test_held_prefixes_in_rounds_give_the_plain_decomposed_step(setup, micro_batch, ppo_epochs):
     """A train room that holds one prompt's compact prefix at a time: three rounds, each held, trained and
-    backpropagated before the next (micro-batches of one prompt, of two, and of half a group); the same losses
-    and gradients as the plain decomposed step (fp32, <= 1e-5), and each round's spans in order."""
-    plain_runner, plain, _ = step(setup, False, micro_batch=micro_batch)
-    runner = one_prompt_room(setup, "decomposed", micro_batch)
+    backpropagated before the next (micro-batches of one prompt, of two, and of half a group; a second epoch,
+    which holds nothing, after them); the same losses and gradients as the plain decomposed step (fp32, <= 1e-5),
+    and each round's spans in order."""
+    plain_runner, plain, _ = step(setup, False, micro_batch=micro_batch, ppo_epochs=ppo_epochs)
+    runner = one_prompt_room(setup, "decomposed", micro_batch, ppo_epochs)
     out = run_recording(runner, setup, runner.actor.layers[0], lambda args: None)
     forms = out.schedule.train_prefix_forms
     assert [c.round for c in forms] == [0, 1, 2] and {c.form for c in forms} == {COMPACT}
     names = [s["name"] for s in out.train.spans]
-    assert names.count("prefix_forward") == 3 and names.count("prefix_backward") == 3
+    assert names.count("prefix_forward") == 3 and names.count("prefix_backward") == 3 + (ppo_epochs - 1)
     assert names[0] == "prefix_forward" and names[-2:] == ["prefix_backward", "optimizer"]
+    assert names.count("optimizer") == ppo_epochs
     assert out.schedule.phase(PhaseName.ACTOR_PREFIX).holds_bytes == max(c.bytes for c in forms)
     assert rel(out.train.stats.loss, plain.train.stats.loss) < TOL
     for g, r in zip(runner.optimizer.grads, plain_runner.optimizer.grads, strict=True):
