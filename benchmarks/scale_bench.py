@@ -234,6 +234,53 @@ def profile_row(row: dict, P: int, runner, engine, prompts, params, device) -> N
     row["profile"] = {"prefill": prefill_profile, **ptimer.profiles}
 
 
+def host_profile_row(row: dict, P: int, runner, prompts, params, first: int, count: int) -> None:
+    """One more step of this row with training micro-batches first .. first + count - 1 under torch.profiler with
+    the host's events and Python stacks (started and stopped from the runner's per-micro-batch recompute choice,
+    which training asks before each forward): where the GPU went idle, charged to the host op and source line it
+    waited on (probes/phase_profile.gap_attribution), and the host ops by self time, in row["host_profile"]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.probes.phase_profile import gap_attribution
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities, with_stack=True)
+    state = {"seen": 0, "on": False, "t": 0.0}
+    choose = runner._recompute_for
+
+    def stop():
+        if state["on"]:
+            prof.stop()
+            state["on"], state["wall_s"] = False, time.perf_counter() - state["t"]
+
+    def timed_choices(step):
+        decide = choose(step)
+
+        def choice(mb, req):
+            if state["seen"] == first:
+                prof.start()
+                state["on"], state["t"] = True, time.perf_counter()
+            elif state["seen"] == first + count:
+                stop()
+            state["seen"] += 1
+            return decide(mb, req)
+
+        return choice
+
+    runner._recompute_for = timed_choices
+    try:
+        runner.run(prompts, [""] * P, params)
+        stop()
+    finally:
+        del runner._recompute_for  # the class's method again
+    if "wall_s" not in state:
+        row["host_profile"] = {"error": f"training ran {state['seen']} micro-batches, fewer than {first + 1}"}
+        return
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+    row["host_profile"] = {"micro_batches": [first, min(first + count, state["seen"])], "wall_s": state["wall_s"],
+                           **gap_attribution(prof),
+                           "host_self_s": {e.key: e.self_cpu_time_total / 1e6 for e in ops}}
+
 
 def failed_row(a, mode: str, P: int, error: str) -> dict:
     return {"workload": a.workload, "geometry": a.geometry, "prompts": P, "group": a.group, "mode": mode,
@@ -302,6 +349,9 @@ def parse(argv=None):
     ap.add_argument("--padded", action="store_true", help="runtime.packed_scoring false: score padded rows")
     ap.add_argument("--profile", default="", help="P:MODE[,MODE...]: one more step of each of those rows under "
                     "torch.profiler (kernel time by category per phase, in the row's `profile`)")
+    ap.add_argument("--host-profile", default="", help="P:MODE:FIRST:COUNT: one more step of that row with training "
+                    "micro-batches FIRST..FIRST+COUNT-1 profiled with host events and stacks (the GPU's idle gaps "
+                    "charged to host ops and source lines, in the row's `host_profile`)")
     ap.add_argument("--oom-sites", action="store_true",
                     help="record allocation stacks (slower host): a row that fails keeps its live memory by site")
     ap.add_argument("--memory-cap-gib", type=float, default=0.0,
@@ -325,9 +375,13 @@ def parse(argv=None):
     a.mean_response = w["mean_response"] if a.mean_response < 0 else a.mean_response
     a.prompt_list = [int(x) for x in a.prompts.split(",") if x]
     a.mode_list = [m for m in a.modes.split(",") if m]
+    hp = a.host_profile.split(":") if a.host_profile else []
+    if hp and len(hp) != 4:
+        ap.error(f"--host-profile wants P:MODE:FIRST:COUNT, got {a.host_profile!r}")
+    a.host_profile = (int(hp[0]), hp[1], int(hp[2]), int(hp[3])) if hp else (0, "", 0, 0)
     a.profile = ((int(a.profile.split(":")[0]), set(a.profile.split(":")[1].split(","))) if a.profile
                  else (0, set()))
-    unknown = (set(a.mode_list) | a.profile[1]) - set(MODES)
+    unknown = (set(a.mode_list) | a.profile[1] | ({a.host_profile[1]} if a.host_profile[1] else set())) - set(MODES)
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     return a
@@ -444,6 +498,12 @@ def main(argv=None) -> dict:
             if row["ok"] and P == a.profile[0] and mode in a.profile[1]:  # after the row is safe: parsing a 7B profile takes minutes
                 try:
                     profile_row(row, P, runners[mode], engine, prompts, params, device)
+                finally:
+                    engine.release()
+                out.write_text(json.dumps(result, indent=2))
+            if row["ok"] and (P, mode) == a.host_profile[:2]:
+                try:
+                    host_profile_row(row, P, runners[mode], prompts, params, *a.host_profile[2:])
                 finally:
                     engine.release()
                 out.write_text(json.dumps(result, indent=2))

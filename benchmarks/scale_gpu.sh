@@ -10,7 +10,9 @@
 #   run(command="bash benchmarks/scale_gpu.sh vid-16")     # vid P = 16, overlapped + decomposed (~350 s)
 #   run(command="bash benchmarks/scale_gpu.sh img-32")     # img P = 32, every mode, unbatched too (~490 s)
 #   run(command="bash benchmarks/scale_gpu.sh profile-32") # img P = 32 overlapped + decomposed, each profiled (~450 s)
-#   run(command="bash benchmarks/scale_gpu.sh profile-64") # img P = 64 decomposed, profiled (~300 s)
+#   run(command="bash benchmarks/scale_gpu.sh profile-64") # img P = 64 decomposed, profiled (~430 s)
+#   run(command="bash benchmarks/scale_gpu.sh host-64")    # img P = 64 decomposed, training micro-batches 20-23 with
+#                                                          # the host's events: where the GPU waits (~350 s)
 #   run(command="bash benchmarks/scale_gpu.sh decode")     # the decode step at batch 64 (~100 s)
 # Results land in $OUT (scale-<date>-<name>.json or decode-<date>-b64.json, a chart, the log); commit the JSON under
 # benchmarks/results/ (both follow ../shared/RESULTS.md).
@@ -39,9 +41,10 @@ case "${1:-}" in
   img-32) scale img-32 img 32 overlapped,decomposed,serial,decomposed-unbatched --warmup modes ;;
   profile-32) scale profile-32 img 32 overlapped,decomposed --warmup modes --profile 32:overlapped,decomposed ;;
   profile-64) scale profile-64 img 64 decomposed --warmup modes --profile 64:decomposed ;;
+  host-64) scale host-64 img 64 decomposed --warmup modes --host-profile 64:decomposed:20:4 ;;
   decode)
     ${DRY:+echo} timeout -k 10 300 python benchmarks/decode_bench.py --geometry 7B --batch 64 --group 1 --context 2048 --steps 64 \
       --watchdog-s 290 --out "$OUT/decode-$stamp-b64.json" 2>&1 | tee "$OUT/decode-$stamp.log" ;;
   *)
-    echo "usage: $0 img-8-64 | img-8 | img-64 | sites-64 | vid-4 | vid-16 | img-32 | profile-32 | profile-64 | decode" >&2; exit 2 ;;
+    echo "usage: $0 img-8-64 | img-8 | img-64 | sites-64 | vid-4 | vid-16 | img-32 | profile-32 | profile-64 | host-64 | decode" >&2; exit 2 ;;
 esac

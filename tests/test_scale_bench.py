@@ -212,3 +212,21 @@ def test_rows_record_each_recompute_choice_of_the_warm_up_and_the_timed_step(tmp
         assert len(choices) == rc["on"] + rc["off"] == 2  # one micro-batch per group of 2 samples
         assert rc["on"] == sum(est > free for est, free in choices) == on
         assert rc["measured_gib"] == []  # CPU: no allocator counter, so no window measured (CUDA: one per choice)
+
+
+def test_host_profile_covers_the_chosen_training_micro_batches(tmp_path):
+    """--host-profile P:MODE:FIRST:COUNT: one more step of that row whose training micro-batches FIRST.. are
+    profiled with the host's events: the row says which ran under the profiler, the host ops by self time, and the
+    GPU's idle gaps (none on CPU); asking past the last micro-batch says so in the row instead of failing the run."""
+    common = ["--geometry", "debug", "--dtype", "float32", "--prompt-tokens", "32", "--response", "4", "--group", "2",
+              "--micro-batch", "2", "--repeats", "0", "--prompts", "3", "--modes", "decomposed",
+              "--out", str(tmp_path / "h.json"), "--plot", str(tmp_path / "h.png")]
+    row = scale_bench.main(common + ["--host-profile", "3:decomposed:1:1"])["rows"][0]
+    hp = row["host_profile"]
+    assert hp["micro_batches"] == [1, 2] and hp["wall_s"] > 0
+    assert hp["host_self_s"] and all(v >= 0 for v in hp["host_self_s"].values())
+    assert hp["gaps"] == 0 and hp["idle_s"] == 0.0  # no kernels on CPU
+    late = scale_bench.main(common + ["--host-profile", "3:decomposed:9:1"])["rows"][0]
+    assert late["ok"] and "fewer than 10" in late["host_profile"]["error"]
+    with pytest.raises(SystemExit):
+        scale_bench.parse(["--host-profile", "3:decomposed"])
