@@ -124,17 +124,6 @@ def grad_bytes(params) -> int:
     return total
 
 
-def pending_grad_bytes(params) -> int:
-    """Bytes of the gradients the trainable parameters do not hold yet (a DTensor's: this rank's shard), which the
-    next backward creates: before a step's first backward, all of them."""
-    total = 0
-    for p in params:
-        if p.requires_grad and p.grad is None:
-            local = p.to_local() if hasattr(p, "to_local") else p
-            total += local.numel() * local.element_size()
-    return total
-
-
 # the caching allocator's counters of work it does beyond handing out cached blocks (torch.cuda.memory_stats):
 # a retry frees every cached block (a device synchronisation) and allocates again; near a full device they cost
 ALLOCATOR_EVENTS = {"alloc_retries": "num_alloc_retries", "device_allocs": "num_device_alloc",

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..components.captured_step import plain_tensors
-from ..components.peak_memory import PeakWindows, pending_grad_bytes
-from ..components.span_clock import SpanClock
+from ..components.peak_memory import PeakWindows
+from ..components.span_clock import SpanClock, span_or_nothing
 from ..distributed.fsdp import gathered, reshard
 from ..models.packing import suffix_key_heads
 from ..models.qwen2_5_vl.parallelize import is_checkpointed
@@ -188,7 +188,11 @@ class StepRunner:
                          activation_bytes_per_token=self._activation_bytes_per_token or self._graph_estimate(),
                          compact_bytes_per_token=self._compact_bytes_per_token or self._compact_estimate(),
                          ref_prefix_batchable=self._ref_prefix_unbatchable(params.n), device=self.device.type,
-                         train_rounds=self.dp_size == 1 and plain_tensors(self.actor))
+                         train_rounds=self._train_rounds())
+
+    def _train_rounds(self) -> bool:
+        """Whether training may hold prefixes in rounds (StepShape.train_rounds): one process, plain tensors."""
+        return self.dp_size == 1 and plain_tensors(self.actor)
 
     def _ref_prefix_unbatchable(self, group_size: int) -> str:
         """Why the reference prefixes cannot run batched ahead of the suffixes ("" when they can): on several ranks
@@ -475,7 +479,7 @@ class StepRunner:
             keep = step.experience.keep_groups.tolist()
             held = {id(step.prompts[c.prompt]): c.form for c in choices if c.form != NONE and keep[c.prompt]}
         clock = SpanClock(self.device) if st.time_train else None
-        timed = clock.span if clock is not None else (lambda name: nullcontext())
+        timed = span_or_nothing(clock)
         # each prompt's round (memory_budget.choose_train_rounds; overlapped: the fused prompts are round 0); a
         # prompt held in none runs with the last round
         last = max((c.round for c in choices if c.form != NONE), default=0)
@@ -556,8 +560,9 @@ class StepRunner:
         plan, caps = self.settings.plan, [0]
         if plan.mode == "overlapped" and plan.fuse_actor_prefix and self.engine.capabilities.prefill_hook:
             caps.append(getattr(self.engine, "prefill_tokens", HELD_BATCH_TOKENS))
-        # decomposed's batched prefixes; overlapped's rounds in training for the prompts not fused (one process)
-        if plan.batched_actor_prefix and (plan.mode == "decomposed" or plan.mode == "overlapped" and self.dp_size == 1):
+        # decomposed's batched prefixes; overlapped's rounds in training for the prompts not fused
+        rounds = plan.mode == "overlapped" and self._train_rounds()
+        if plan.batched_actor_prefix and (plan.mode == "decomposed" or rounds):
             caps.append(HELD_BATCH_TOKENS)
         return max(caps)
 
@@ -616,7 +621,8 @@ class StepRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             allocated = torch.cuda.memory_allocated(self.device)
             free += torch.cuda.memory_reserved(self.device) - allocated
-            pending = pending_grad_bytes(self.actor.parameters())
+            # the gradients the next backward creates (a DTensor's: this rank's shard)
+            pending = _local_bytes(p for p in self.actor.parameters() if p.requires_grad and p.grad is None)
             if self.settings.plan.memory_budget_bytes:
                 return min(free, capacity - allocated) - pending, int(HEADROOM * capacity)
             return free - pending, int(HEADROOM * total)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..components.optim import clip_grad_norm
 from ..components.peak_memory import PeakWindows, grad_bytes
-from ..components.span_clock import SpanClock
+from ..components.span_clock import SpanClock, span_or_nothing
 from ..distributed.fsdp import reshard
 from ..models.qwen2_5_vl.parallelize import recompute
 from ..rl.advantages import compute_advantages, dynamic_sampling_keep
@@ -269,7 +269,7 @@ def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler,
     trainable = [p for p in actor.parameters() if p.requires_grad]
     measure = (lambda name: windows.window(name, growth=lambda: grad_bytes(trainable))) if windows else (
         lambda name: nullcontext())
-    timed = clock.span if clock is not None else (lambda name: nullcontext())
+    timed = span_or_nothing(clock)
 
     @contextmanager
     def window(name):
