@@ -95,6 +95,8 @@ def memory_record(out, runner, engine, phase_timer: PhaseTimer) -> dict:
                         "held_graph_bytes": sum(c.bytes for c in s.prefix_forms),
                         "forms": {f: forms.count(f) for f in sorted(set(forms))},
                         "train_room_bytes": s.memory.get("train_room_bytes", 0),
+                        # the rooms' cap for the whole graphs the last step's micro-batches kept (memory_budget)
+                        "held_cap_bytes": s.memory.get("held_cap_bytes"), "held_cap": s.memory.get("held_cap", ""),
                         "train_held_bytes": sum(c.bytes for c in s.train_prefix_forms),
                         "train_forms": {f: [c.form for c in s.train_prefix_forms].count(f)
                                         for f in sorted({c.form for c in s.train_prefix_forms})}},
@@ -172,7 +174,9 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
     prefill = []
     # the first step warms up allocators, compilations and the measured rates; --warmup first: only the first
     # mode at each P (the decode step's compilation and capture are the engine's, shared by the modes)
-    first = 0 if (warm_up or not a.repeats) else 1
+    # (--warm-up-steps more of them where one is run: a later step's plan learns from the first, and a batch shape
+    # the first did not meet compiles in the second, not in a timed step)
+    first = 0 if not a.repeats else 1 - a.warm_up_steps if warm_up else 1
     for rep in range(first, a.repeats + 1):
         timer.reset()
         if device.type == "cuda":
@@ -182,16 +186,16 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
         out = runner.run(prompts, [""] * P, params, phase_timer=timer)
         sync(device)
         step_s = time.perf_counter() - t
-        print(f"[scale_bench {time.strftime('%H:%M:%S')}] {a.workload} P={P} {mode} {'timed' if rep else 'warm-up'} "
+        print(f"[scale_bench {time.strftime('%H:%M:%S')}] {a.workload} P={P} {mode} {'timed' if rep > 0 else 'warm-up'} "
               f"step {step_s:.2f}s " + " ".join(f"{k} {out.timeline.total_s(k):.2f}s" for k in STAGES), flush=True)
         step_peak = max(timer.peak_bytes.values(), default=0)
         peak_bytes = max(peak_bytes, step_peak)
-        if not rep and a.repeats:
+        if rep <= 0 and a.repeats:  # the last warm-up step's
             row["peak_warm_up_gib"] = step_peak / 2**30  # planned from estimates: the rates are measured in it
             row["peak_warm_up_stage_gib"] = {str(k): v / 2**30 for k, v in timer.peak_bytes.items()}
             row["recompute_warm_up"] = recompute_record(out.schedule)
             row["train_spans_warm_up"] = span_totals(out.train.spans)
-        if rep or not a.repeats:
+        if rep > 0 or not a.repeats:
             row["peak_timed_gib"] = max(row.get("peak_timed_gib", 0.0), step_peak / 2**30)
             steps.append(step_s)
             prefill.append(engine.stats.prefill_s - prefill_before)
@@ -202,7 +206,7 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
                phases_s={k: statistics.median(v) for k, v in phases.items() if any(v)},
                tokens=int(exp.lengths.sum()) + sum(len(p.input_ids) for p in prompts) * a.group,
                response_tokens=int(exp.lengths.sum()), memory=memory_record(out, runner, engine, timer),
-               warm_up_step=bool(first == 0 and a.repeats))
+               warm_up_step=bool(first <= 0 and a.repeats), warm_up_steps=1 - first if a.repeats else 0)
     row["s_per_sample"] = row["step_s"] / row["samples"]
     row["window_phases"] = [str(ph.name) for ph in out.schedule.phases if ph.in_window]  # beside decode
     row["recompute"] = recompute_record(out.schedule)
@@ -340,6 +344,9 @@ def parse(argv=None):
                     help="a warm-up step before the timed steps of every (P, mode); of every mode at the first P only "
                          "(later P: a warm-up rollout for the new pool); or of the first mode at the first P only "
                          "(the later modes' first steps then run cold: ratios in one run favour the first mode)")
+    ap.add_argument("--warm-up-steps", type=int, default=1,
+                    help="untimed steps where --warmup runs one (H200, 7B, img P = 64, overlapped: the timed step's "
+                         "plan, learned from the warm-up, batched a prefix shape the warm-up had not compiled)")
     ap.add_argument("--ref-micro-batch", type=int, default=0,
                     help="algorithm.ref_micro_batch_size: sequences per reference-scoring forward (0: --micro-batch)")
     ap.add_argument("--fused", choices=["auto", "on", "off"], default="auto",

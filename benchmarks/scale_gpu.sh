@@ -2,13 +2,17 @@
 # The step benchmarks of issues 18 and 19 on one H200, one device call per step below (each ends within the
 # call's 10-minute limit: a timeout and scale_bench's watchdog stop it first, and the rows written so far stay):
 #   run(command="bash benchmarks/scale_gpu.sh img-8-64")   # img P = 8 and 64, overlapped + decomposed (~400 s)
-#   run(command="bash benchmarks/scale_gpu.sh img-8")      # img P = 8 alone, overlapped + decomposed (~150 s)
-#   run(command="bash benchmarks/scale_gpu.sh img-64")     # img P = 64 alone, overlapped + decomposed (~330 s)
+#   run(command="bash benchmarks/scale_gpu.sh img-8")      # img P = 8 alone, overlapped + decomposed, two warm-up
+#                                                          # steps each (~170 s)
+#   run(command="bash benchmarks/scale_gpu.sh img-64")     # img P = 64 alone, overlapped + decomposed, two warm-up
+#                                                          # steps each (~500 s)
 #   run(command="bash benchmarks/scale_gpu.sh sites-64")   # diagnostic: decomposed img P = 64, the allocator capped at
 #                                                          # CAP_GIB (132.5): what is live where a step peaks above it
 #   run(command="bash benchmarks/scale_gpu.sh vid-4")      # vid P = 4, overlapped + decomposed + serial (~360 s)
 #   run(command="bash benchmarks/scale_gpu.sh vid-16")     # vid P = 16, overlapped + decomposed (~350 s)
 #   run(command="bash benchmarks/scale_gpu.sh img-32")     # img P = 32, every mode, unbatched too (~490 s)
+#   run(command="bash benchmarks/scale_gpu.sh img-32-pair") # img P = 32, overlapped + decomposed, two warm-up
+#                                                          # steps each (~250 s)
 #   run(command="bash benchmarks/scale_gpu.sh profile-32") # img P = 32 overlapped + decomposed, each profiled (~450 s)
 #   run(command="bash benchmarks/scale_gpu.sh profile-64") # img P = 64 decomposed, profiled (~430 s)
 #   run(command="bash benchmarks/scale_gpu.sh host-64")    # img P = 64 decomposed, training micro-batches 20-23 with
@@ -16,6 +20,8 @@
 #   run(command="bash benchmarks/scale_gpu.sh decode")     # the decode step at batch 64 (~100 s)
 # Results land in $OUT (scale-<date>-<name>.json or decode-<date>-b64.json, a chart, the log); commit the JSON under
 # benchmarks/results/ (both follow ../shared/RESULTS.md).
+# Two warm-up steps: the second plans from what the first measured (held_cap_for_whole_graphs), and a batch shape
+# the first did not meet compiles there rather than in the timed step.
 # MODES=... overrides a step's modes (e.g. MODES=overlapped,decomposed-batched); DRY=1 prints the commands.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,12 +39,13 @@ scale() {  # name workload prompts modes [more scale_bench arguments]
 }
 case "${1:-}" in
   img-8-64) scale img-8-64 img 8,64 overlapped,decomposed --warmup modes ;;
-  img-8) scale img-8 img 8 overlapped,decomposed --warmup modes ;;
-  img-64) scale img-64 img 64 overlapped,decomposed --warmup modes ;;
+  img-8) scale img-8 img 8 overlapped,decomposed --warmup modes --warm-up-steps 2 ;;
+  img-64) scale img-64 img 64 overlapped,decomposed --warmup modes --warm-up-steps 2 ;;
   sites-64) scale img-64-sites img 64 decomposed --warmup modes --oom-sites --memory-cap-gib "${CAP_GIB:-132.5}" ;;
   vid-4) scale vid-4 vid 4 overlapped,decomposed,serial --warmup modes ;;
   vid-16) scale vid-16 vid 16 overlapped,decomposed --warmup modes ;;
   img-32) scale img-32 img 32 overlapped,decomposed,serial,decomposed-unbatched --warmup modes ;;
+  img-32-pair) scale img-32-pair img 32 overlapped,decomposed --warmup modes --warm-up-steps 2 ;;
   profile-32) scale profile-32 img 32 overlapped,decomposed --warmup modes --profile 32:overlapped,decomposed ;;
   profile-64) scale profile-64 img 64 decomposed --warmup modes --profile 64:decomposed ;;
   host-64) scale host-64 img 64 decomposed --warmup modes --host-profile 64:decomposed:20:4 ;;
@@ -46,5 +53,5 @@ case "${1:-}" in
     ${DRY:+echo} timeout -k 10 300 python benchmarks/decode_bench.py --geometry 7B --batch 64 --group 1 --context 2048 --steps 64 \
       --watchdog-s 290 --out "$OUT/decode-$stamp-b64.json" 2>&1 | tee "$OUT/decode-$stamp.log" ;;
   *)
-    echo "usage: $0 img-8-64 | img-8 | img-64 | sites-64 | vid-4 | vid-16 | img-32 | profile-32 | profile-64 | host-64 | decode" >&2; exit 2 ;;
+    echo "usage: $0 img-8-64 | img-8 | img-64 | sites-64 | vid-4 | vid-16 | img-32 | img-32-pair | profile-32 | profile-64 | host-64 | decode" >&2; exit 2 ;;
 esac

@@ -490,6 +490,43 @@ def test_with_fusion_a_prompt_alone_in_its_form_in_a_prefill_batch_takes_the_sma
         torch.testing.assert_close(g, r, rtol=RTOL, atol=1e-7)
 
 
+def test_with_fusion_a_held_forward_over_one_prompt_compiles_nothing_new(setup):
+    """Defect (H200, 7B, img P = 64, overlapped): a training round's batched prefix forward took 8.3 s in the timed
+    step against 2.0 in the warm-up; the round had a length group of one prompt, and a compiled chain specialises a
+    batch of one (dynamo: size 1 is not dynamic), so that forward compiled anew inside the step. A held forward over
+    one prompt now runs the eager chains (as a training micro-batch does): after a batch of two compiled the
+    chains, a batch of one adds no graph, and holds what the same prompt's unfused eager forward computes."""
+    from torch._dynamo.utils import counters
+
+    from torchplex.models import fusion
+
+    prompts, actor = setup[1], setup[2]
+    torch._dynamo.reset()
+    fusion.enable(True, backend="aot_eager")
+    try:
+        graphs = lambda: counters["stats"]["unique_graphs"]
+        scorer = DecomposedScorer()
+        fused_prefill(scorer, actor, scorer.store, {id(p): COMPACT for p in prompts[:2]})(prompts[:2])
+        after_two = graphs()
+        assert after_two > 0  # the chains compiled for the batch of two
+        scorer = DecomposedScorer()
+        state = fused_prefill(scorer, actor, scorer.store, {id(prompts[2]): COMPACT})(prompts[2:3])
+        assert graphs() == after_two
+        # its backward reruns the checkpointed blocks on the same (eager) chains: no new graph, no mismatch
+        held = scorer.store.peek(actor, prompts[2])
+        actor.zero_grad(set_to_none=True)
+        sum(t.float().square().sum() for t in held.k + held.v).backward()
+        assert graphs() == after_two
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in actor.parameters())
+    finally:
+        fusion.enable(False)
+        actor.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        plain = DecomposedScorer().prefix(actor, prompts[2:3])[0]
+    for a, b in zip(state.k + state.v, plain.k + plain.v):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _forms(schedule, forms):
     """The schedule with these prefix forms (bytes as planned), for a test that needs a given mix."""
     schedule.prefix_forms = [dataclasses.replace(c, form=f) for c, f in zip(schedule.prefix_forms, forms)]

@@ -72,3 +72,20 @@ def test_whole_phase_readers_see_the_peaks_a_window_reset_took(monkeypatch):
     with timer.phase("optimizer"):
         cuda.allocate(50)
     assert timer.peak_bytes["optimizer"] == 50  # a new phase forgets what the windows carried
+
+
+def test_what_a_window_leaves_allocated_is_the_largest_of_its_windows():
+    """Defect (H200, 7B, img P = 64, decomposed in 3 rounds): training's unplanned bytes subtract the held batched
+    prefixes, read from what the prefix forward's window left allocated; that was the last window's (the last
+    round's 8.0 GB, not the first round's ~14), so 6 GB of held prefixes counted as unplanned in the next plans."""
+    counter = StandInCounter(100)
+    windows = PeakWindows(counter)
+    windows.begin()
+    with windows.window("prefix_forward"):
+        counter.now = 100 + 60  # round 0 holds 60
+    counter.now = 100  # its backward frees them
+    with windows.window("prefix_forward"):
+        counter.now = 100 + 25  # round 1 holds 25
+    assert windows.stayed == {"prefix_forward": 60}
+    windows.begin()
+    assert windows.stayed == {}

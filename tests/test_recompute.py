@@ -45,6 +45,33 @@ def test_recompute_form_is_layer_inputs_plus_one_layer_plus_logits():
     assert recompute_train_bytes(10.0, 100.0, 7, 3, 5) < no_recompute_bytes(28 * 100.0, 4, 28 * 100.0, 3, 5)
 
 
+def test_held_prefixes_leave_room_for_the_whole_graphs_worth_more_as_data():
+    """A budget of 1,000 B (950 usable): the train stage holds 600 B beside its activations (100 B, the recompute
+    form), so 250 B of room for held prefixes; micro-batches whose whole graphs take 150, 200 and 240 B; prompts
+    of 20 B. Decomposed (rounds hold every prompt in any room that holds one): the cap keeps every graph that can
+    be kept, 350 - 240 = 110 B, or one prompt when even that does not fit. Fusing: f prompts fused are held through
+    training; 12 fused (240 B) keep none of the graphs (worth 12), 5 fused (100 B) keep all three (5 + 3 x 3)."""
+    from torchplex.runtime.memory_budget import WHOLE_GRAPH_WORTH, MemoryBudget, held_cap_for_whole_graphs
+
+    budget = MemoryBudget(1000, {"rollout": {"actor_weights": 400, "kv_pool": 300}, "ref": {"actor_weights": 400},
+                                 "train": {"actor_weights": 400, "grads": 200, "activations": 100}})
+    assert budget.train_room_bytes == 250 and budget.room_bytes == 250
+    sizes, prompts = [150, 200, 240], [20] * 16
+    cap, why = held_cap_for_whole_graphs(budget, sizes, prompts, fusing=False)
+    assert cap == 110 and why.startswith("3 of 3 micro-batches whole")
+    assert held_cap_for_whole_graphs(budget, [340], prompts, fusing=False)[0] == 20  # one prompt at least
+    assert held_cap_for_whole_graphs(budget, [50], prompts, fusing=False)[0] == 250  # every graph fits the room
+    assert WHOLE_GRAPH_WORTH == 3
+    cap, why = held_cap_for_whole_graphs(budget, sizes, prompts, fusing=True)
+    # f = 5 (100 B) keeps all three: 5 + 9 = 14; f = 12 (240 B) keeps none: 12; the cap is the rounds' 110 B
+    assert cap == 110 and why.startswith("5 prompts fused and 3 of 3")
+    cap, why = held_cap_for_whole_graphs(budget, [150] * 2, prompts, fusing=True)  # 200 B free beside 10 prompts
+    assert cap == 200 and why.startswith("10 prompts fused and 2 of 2")
+    budget.held_cap_bytes = cap
+    assert budget.room_bytes == budget.train_room_bytes == 200
+    assert budget.to_dict()["held_cap_bytes"] == 200
+
+
 # ---- the executor on CPU ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def setup(grpo_assets):
@@ -478,3 +505,40 @@ def test_decomposed_whole_graph_estimate_counts_the_packed_suffix_keys(setup, mo
                                  t.num_layers, heads, t.head_dim, w.element_size())
                 for r in seen]
     assert out.schedule.memory["recompute"]["estimates"] == expected and min(expected) > 0
+
+
+def test_the_budget_caps_held_prefixes_for_the_last_steps_whole_graphs(setup):
+    """Defect (H200, 7B, img P = 64, overlapped): the budget counted training at its recompute form, so 56 fused
+    prefixes filled the room through training and 52 of 64 micro-batches recomputed (+7 s) where decomposed kept
+    all 64 whole. A step now learns its micro-batches' whole graphs with their prefixes held (each choice's estimate
+    less the prefixes it computes, scaled) and the next plans cap the held prefixes' rooms with them."""
+    from dataclasses import replace
+
+    runner = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=4, kv_pool=KV_POOL, checkpointed=True,
+                        plan_options={"batched_actor_prefix": False})  # micro-batches compute their prefixes
+    params = SamplingParams(n=4, max_new_tokens=6, seed=3)
+    shape = runner.shape(setup[1], params)
+    first = runner.memory_budget(shape, params)
+    assert first.held_cap_bytes is None and first.held_cap == ""  # before any step: nothing learned
+    out, _ = run_step(runner, setup)
+    log = out.schedule.memory["recompute"]
+    assert all(log["whole"]) and len(log["held_estimates"]) == len(log["estimates"]) > 1
+    assert all(h < e for h, e in zip(log["held_estimates"], log["estimates"]))  # the computed prefixes left out
+    sizes = [math.ceil(e * runner._whole_graph_scale) for e in log["held_estimates"]]
+    assert runner._whole_graph_sizes == sizes
+    # the tiny model's whole graphs are below its recompute form's count (the cap never binds): graphs 4x as
+    # large, and a budget whose room beside the largest holds 3 of the largest prompt's prefix: the cap
+    shape = runner.shape(setup[1], params)  # with what the step measured
+    first = runner.memory_budget(shape, params)
+    assert first.held_cap_bytes == first.train_room_bytes  # the room, uncapped
+    runner._whole_graph_sizes = sizes = [4 * s for s in sizes]
+    one = math.ceil(shape.compact_bytes_per_token * max(shape.prompt_lengths))
+    resident = first.stage_bytes("train") - first.residents["train"]["activations"] + max(sizes)
+    assert max(sizes) > first.residents["train"]["activations"]
+    runner.settings.plan = replace(runner.settings.plan, memory_budget_bytes=budget_for(resident, 3 * one))
+    planned = runner.memory_budget(shape, params)
+    assert 3 * one <= planned.held_cap_bytes <= 3 * one + 1 and planned.train_room_bytes == planned.held_cap_bytes
+    schedule = runner.plan(setup[1], params)
+    assert schedule.memory["held_cap"].startswith(f"{len(sizes)} of {len(sizes)} micro-batches whole")
+    runner.settings = replace(runner.settings, recompute="always")  # nothing to keep room for
+    assert runner.memory_budget(shape, params).held_cap_bytes is None

@@ -154,6 +154,26 @@ def test_warmup_modes_warms_every_mode_at_the_first_p_only(tmp_path):
         (2, "decomposed", True, False)]
 
 
+def test_more_warm_up_steps_run_untimed_and_the_timed_plan_caps_the_held_prefixes(tmp_path, capsys):
+    """--warm-up-steps 2: two untimed steps before the timed one where a warm-up runs (H200, 7B, img P = 64: the timed
+    step's plan, learned from the warm-up, batched a prefix shape the warm-up had not compiled, 8.3 s for a round's
+    prefix forward that took 2.0 in the warm-up); a later P's rows run none. The rows record the held cap the plan
+    took from the last step's whole graphs (none before a step has run: the first row's warm-up)."""
+    result = scale_bench.main(["--geometry", "debug", "--dtype", "float32", "--prompt-tokens", "32", "--response", "4",
+                               "--group", "2", "--micro-batch", "4", "--repeats", "1", "--prompts", "1,2",
+                               "--modes", "decomposed", "--warmup", "modes", "--warm-up-steps", "2",
+                               "--activation-checkpointing",
+                               "--out", str(tmp_path / "w.json"), "--plot", str(tmp_path / "w.png")])
+    rows = result["rows"]
+    assert [(r["prompts"], r["ok"], r["warm_up_step"], r["warm_up_steps"]) for r in rows] == [
+        (1, True, True, 2), (2, True, False, 0)]
+    log = capsys.readouterr().out
+    assert log.count("P=1 decomposed warm-up") == 2 and log.count("P=1 decomposed timed") == 1
+    assert log.count("P=2 decomposed warm-up") == 0 and log.count("P=2 decomposed timed") == 1
+    planned = rows[0]["memory"]["planned"]
+    assert planned["held_cap_bytes"] is not None and "micro-batches whole" in planned["held_cap"]
+
+
 def test_batched_actor_prefix_rows_record_and_tabulate_what_training_held(tmp_path):
     """decomposed-batched: the prefixes held within training are planned (their forms and bytes) and measured, and the
     memory table counts them in the train stage's plan (they are not held from the rollout)."""
@@ -171,7 +191,8 @@ def test_batched_actor_prefix_rows_record_and_tabulate_what_training_held(tmp_pa
     assert "in training: " in line and f"| {planned['train_held_bytes'] / 2**30:.1f} / " in line
 
 
-@pytest.mark.parametrize("step", ["img-8-64", "img-64", "vid-4", "vid-16", "img-32", "profile-32"])
+@pytest.mark.parametrize("step", ["img-8-64", "img-8", "img-64", "vid-4", "vid-16", "img-32", "img-32-pair",
+                                  "profile-32"])
 def test_each_gpu_step_of_scale_gpu_sh_is_a_command_scale_bench_accepts(step, tmp_path):
     """benchmarks/scale_gpu.sh runs on the H200 only, where a typo costs a device call: its steps (printed with
     DRY=1) parse as scale_bench arguments, each under the device call's 10-minute limit."""

@@ -66,7 +66,7 @@ class PeakWindows:
     def __init__(self, counter: AllocationCounter | None):
         self.counter = counter  # None: nothing is measured
         self.above: dict[str, int] = {}  # name -> the largest peak above entry of its windows since `begin`
-        self.stayed: dict[str, int] = {}  # name -> what its last window left allocated beyond its entry
+        self.stayed: dict[str, int] = {}  # name -> the most one of its windows left allocated beyond its entry
         self.last: dict[str, int] = {}  # name -> its last window's peak above entry (less growth)
         self._peaks: dict[str, int] = {}  # name -> the largest peak of its windows; "" outside every window
 
@@ -105,7 +105,7 @@ class PeakWindows:
         grown = growth() if growth else 0
         yield
         peak = c.max_allocated()
-        self.stayed[name] = c.allocated() - entry
+        self.stayed[name] = max(self.stayed.get(name, 0), c.allocated() - entry)
         c.reset_peak()
         self._note(name, peak)
         grown = (growth() if growth else 0) - grown

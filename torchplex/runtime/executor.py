@@ -32,9 +32,9 @@ from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
 from .memory_budget import (COMPACT, FIRST_TRAIN_UNPLANNED, HEADROOM, NONE, PREFIX_GRADS, UNPLANNED, MemoryBudget,
                             PrefixChoice, agree_on_held_form, agree_on_recompute, batch_token_bound, device_capacity,
-                            held_at_once_bytes, held_gradient_bytes, kv_pool_bytes, needs_recompute, no_recompute_bytes,
-                            packed_key_bytes, prefix_backward_rate, recompute_train_bytes, step_residents,
-                            whole_graph_scale)
+                            held_at_once_bytes, held_cap_for_whole_graphs, held_gradient_bytes, kv_pool_bytes,
+                            needs_recompute, no_recompute_bytes, packed_key_bytes, prefix_backward_rate,
+                            recompute_train_bytes, step_residents, whole_graph_scale)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
 from .overlap import (HELD_BATCH_TOKENS, DecodeWindowJobs, PrefixStore, fused_prefill, hold_prefixes, length_groups,
                       rollout_prefill, token_batches)
@@ -154,6 +154,9 @@ class StepRunner:
         self._prefix_forward_bytes = 0
         # measured whole graph / its estimate of training forwards that kept it (memory_budget.whole_graph_scale)
         self._whole_graph_scale = 1.0
+        # the last step's training micro-batches' whole graphs with their prefixes held (scaled estimates), which
+        # the budget weighs against held prefixes (memory_budget.held_cap_for_whole_graphs); empty until a step ran
+        self._whole_graph_sizes: list[int] = []
         self.windows = PeakWindows.for_device(self.device)  # the allocator's counters (CUDA; None elsewhere)
         # the rollout's and the reference's last peak beyond their plans (residents and the prefixes really held):
         # the transients no group counts (decode's logits and sampling, a reference micro-batch, ...); the next
@@ -389,6 +392,12 @@ class StepRunner:
             residents[stage][UNPLANNED] = nb
         if self.windows.counter is not None and str(Stage.TRAIN) not in self._unplanned_bytes:
             residents["train"][UNPLANNED] = int(FIRST_TRAIN_UNPLANNED * capacity)  # until a step measures it
+        if self._whole_graph_sizes and self.settings.recompute == "auto" and is_checkpointed(self.actor):
+            smallest = shape.compact_bytes_per_token or shape.activation_bytes_per_token
+            plan = self.settings.plan
+            fusing = plan.mode == "overlapped" and plan.fuse_actor_prefix and self.engine.capabilities.prefill_hook
+            budget.held_cap_bytes, budget.held_cap = held_cap_for_whole_graphs(
+                budget, self._whole_graph_sizes, [math.ceil(smallest * L) for L in shape.prompt_lengths], fusing)
         return budget
 
     @contextmanager
@@ -542,12 +551,15 @@ class StepRunner:
             log["measured"] = list(step.result.measured_bytes)  # beside each choice's estimate, in its order
             self._whole_graph_scale = whole_graph_scale(self._whole_graph_scale, log["estimates"],
                                                         step.result.measured_bytes, log["whole"])
+        if log.get("held_estimates"):
+            self._whole_graph_sizes = [math.ceil(e * self._whole_graph_scale) for e in log["held_estimates"]]
         if self.windows.counter is not None:  # and what peaked outside those windows (the stage's unplanned bytes)
             elastic = ("whole_graph",) if is_checkpointed(self.actor) else ()
             grads = _local_bytes(p for p in self.actor.parameters() if p.requires_grad)
             largest = max((b for n, b in above.items() if n not in elastic), default=0)
             rigid = self.windows.peak(excluding=elastic)
-            held = self.windows.stayed.get("prefix_forward", 0)  # the batched prefixes: in the train room
+            # the batched prefixes (in the train room): the largest round's
+            held = self.windows.stayed.get("prefix_forward", 0)
             self._unplanned_bytes[str(Stage.TRAIN)] = max(0, rigid - self._stage_entry - grads - held - largest)
         step.schedule.memory["train_measured"] = {
             **above, "largest_held_batch_tokens": step.prefixes.largest_batch_tokens,
@@ -588,7 +600,7 @@ class StepRunner:
         log = step.schedule.memory.setdefault("recompute", {})
         scale = self._whole_graph_scale
         log.update(bytes_per_token=rate, suffix_bytes_per_token=suffix_rate, scale=scale, estimates=[], free_bytes=[],
-                   whole=[])
+                   whole=[], held_estimates=[])
 
         def decide(mb, req) -> bool:
             responses = sum(req.host_lengths())
@@ -599,7 +611,10 @@ class StepRunner:
             est = no_recompute_bytes(rate, prefix, suffix_rate, responses, vocab)
             if not serial:  # the suffixes' packed keys: each sample's prompt rows and its own tokens
                 keys = sum(len(req.prompts[i].input_ids) for i in req.prompt_index) + responses
-                est += packed_key_bytes(keys, t.num_layers, key_heads, t.head_dim, size)
+                suffix = packed_key_bytes(keys, t.num_layers, key_heads, t.head_dim, size)
+                est += suffix
+                # the same forward with its prefixes held: what the next plans keep room for
+                log["held_estimates"].append(no_recompute_bytes(rate, 0, suffix_rate, responses, vocab) + suffix)
             free, margin = self._free_for_training(step)
             log["estimates"].append(est)  # unscaled: what whole_graph_scale compares the measured bytes with
             log["free_bytes"].append(free - margin)

@@ -24,8 +24,10 @@ As many prompts get the whole graph as can while every other fused prompt still 
 compact as fit; the rest none.
 Recompute per training micro-batch (memory.recompute = "auto", with model.activation_checkpointing): a micro-batch
 skips the checkpointed blocks' recompute when its whole graph (`no_recompute_bytes`) fits in the memory free at its
-forward less the headroom (`needs_recompute`); the budget above counts training at its recompute form
-(`recompute_train_bytes`), so held prefixes keep their room and skipping the recompute only uses what is left.
+forward less the headroom (`needs_recompute`). The budget above counts training at its recompute form
+(`recompute_train_bytes`), so the held prefixes always fit; once a step has run, the rooms are capped so that held
+prefixes leave room for the whole graphs worth more than they are (`held_cap_for_whole_graphs`: more rounds in
+training, fewer prompts fused).
 Nothing here is unbounded: without a room there is no fusion, and a step whose smallest form cannot fit fails before
 it runs (`BatchTooLargeError`, naming the config keys to change).
 """
@@ -77,6 +79,9 @@ class PrefixChoice:
 class MemoryBudget:
     capacity_bytes: int
     residents: dict[str, dict[str, int]] = field(default_factory=dict)  # stage -> group -> bytes
+    # the most prefixes held at once may take (held_cap_for_whole_graphs; None: no cap), and why
+    held_cap_bytes: int | None = None
+    held_cap: str = ""
 
     def stage_bytes(self, stage: str) -> int:
         return sum(self.residents.get(stage, {}).values())
@@ -87,13 +92,15 @@ class MemoryBudget:
 
     @property
     def room_bytes(self) -> int:
-        """What a prefix held from the rollout to training may take (never negative)."""
-        return max(0, self.usable_bytes - max(self.stage_bytes(s) for s in HELD_STAGES))
+        """What a prefix held from the rollout to training may take (never negative), within the held cap."""
+        room = max(0, self.usable_bytes - max(self.stage_bytes(s) for s in HELD_STAGES))
+        return room if self.held_cap_bytes is None else min(room, self.held_cap_bytes)
 
     @property
     def train_room_bytes(self) -> int:
-        """What a prefix computed and held within the train stage may take (never negative)."""
-        return max(0, self.usable_bytes - self.stage_bytes("train"))
+        """What a prefix computed and held within the train stage may take (never negative), within the held cap."""
+        room = max(0, self.usable_bytes - self.stage_bytes("train"))
+        return room if self.held_cap_bytes is None else min(room, self.held_cap_bytes)
 
     def check(self, what: str = "the step") -> None:
         """Raise BatchTooLargeError when a stage's groups exceed the usable budget. Activations (an estimate until
@@ -184,6 +191,40 @@ def held_at_once_bytes(choices: Sequence[PrefixChoice]) -> int:
     for c in choices:
         rounds[c.round] = rounds.get(c.round, 0) + c.bytes
     return max(rounds.values(), default=0)
+
+
+# What one training micro-batch's whole graph is worth, in prompts whose actor prefix the fused prefill computes:
+# H200, 7B, img P = 64, a micro-batch (one prompt's 8 samples) took 0.41 s recomputing and 0.27 s whole; fusing a
+# prompt saved 0.046 s (the training prefix forward it replaces, less what autograd adds to the prefill).
+WHOLE_GRAPH_WORTH = 3
+
+
+def held_cap_for_whole_graphs(budget: MemoryBudget, whole_sizes: Sequence[int], prompt_bytes: Sequence[int],
+                              fusing: bool) -> tuple[int, str]:
+    """The most bytes of prefixes training may hold at once, so that prefixes leave room for its micro-batches'
+    whole graphs where those are worth more: `whole_sizes` are the last step's micro-batches' whole graphs with
+    their prefixes held (scaled estimates), `prompt_bytes` each prompt's held prefix (its compact form) in admission
+    order. A micro-batch keeps its graph when it fits beside what is held (the usable budget less the train stage's
+    other residents). Training's rounds (choose_train_rounds) hold every prompt in any room that holds the largest
+    one, so without fusion the cap is the room that keeps every graph that can be kept, never below one prompt.
+    Fusing (overlapped), the prompts fused are held through training: of every count f that fits the room, the cap
+    takes the one worth most, f + WHOLE_GRAPH_WORTH x the micro-batches kept whole beside them (H200, 7B, img P = 64:
+    56 fused prefixes left room for 12 whole graphs of 64, and the step ran 9 s slower than with 25 fused and 64
+    whole)."""
+    train = budget.residents["train"]
+    rest = budget.stage_bytes("train") - train.get("activations", 0)
+    free = lambda held: budget.usable_bytes - rest - held
+    kept = lambda held: sum(w <= free(held) for w in whole_sizes)
+    one = max(prompt_bytes, default=0)
+    rounds = min(budget.train_room_bytes, max(one, free(0) - max(whole_sizes, default=0)))
+    if not fusing:
+        return rounds, (f"{kept(rounds)} of {len(whole_sizes)} micro-batches whole beside {rounds / 2**30:.2f} GiB "
+                        f"of held prefixes at once")
+    sums = [sum(prompt_bytes[:f]) for f in range(len(prompt_bytes) + 1)]
+    options = [(f, max(held, rounds)) for f, held in enumerate(sums) if held <= budget.room_bytes]
+    f, cap = max(options, key=lambda o: (o[0] + WHOLE_GRAPH_WORTH * kept(o[1]), o[0]))
+    return cap, (f"{f} prompts fused and {kept(cap)} of {len(whole_sizes)} micro-batches whole beside "
+                 f"{cap / 2**30:.2f} GiB of held prefixes at once (a whole graph worth {WHOLE_GRAPH_WORTH} fused)")
 
 
 def kv_pool_bytes(need_all_bytes: int, one_group_bytes: int, rollout_resident_bytes: int, usable_bytes: int,

@@ -214,9 +214,9 @@ def fused_prefill(scorer, model, store: PrefixStore, forms: dict[int, str] | Non
 
     With fusion on (models/fusion.py), a form with grad that only one prompt of a prefill batch of several has takes
     the next smaller form there (graph -> compact if the batch has compact prompts, else none; compact -> none):
-    a compiled chain specialises a batch of one, so that forward would compile anew inside the step (H200, img
-    P = 32: the prefill took 6.7 s instead of 1.8). The smaller form holds less, so the plan's room still holds;
-    `store.demoted` records each change."""
+    that prompt's forward would run alone (H200, img P = 32: it compiled anew, a compiled chain specialising a
+    batch of one, and the prefill took 6.7 s instead of 1.8; a forward over one prompt now runs the eager chains).
+    The smaller form holds less, so the plan's room still holds; `store.demoted` records each change."""
 
     def prefill(prompts):
         form_of = {id(p): "graph" if forms is None else forms.get(id(p), "none") for p in prompts}
@@ -246,8 +246,13 @@ def fused_prefill(scorer, model, store: PrefixStore, forms: dict[int, str] | Non
         with torch.enable_grad():  # the parts too: a view made under no_grad would cut them from the graph
             # graph: a checkpointed actor's blocks keep their whole graphs too, so SavedBytes measures the rate the
             # budget plans this form with (and training's recompute choice reads)
-            # one forward over many prompts: the compiled elementwise chains pay with grad too (models/fusion.py)
-            with saved, compact, recompute(form != "graph"), fusion.batched_forward():
+            # one forward over many prompts: the compiled elementwise chains pay with grad too (models/fusion.py);
+            # over one prompt the eager ones, as a training micro-batch's: a compiled chain specialises a batch of
+            # one, which would compile anew inside the step (H200, 7B, img P = 64, overlapped: a training round's
+            # prefix forward took 8.3 s in the timed step against 2.0 in the warm-up, whose rounds were cut
+            # otherwise)
+            batched = fusion.batched_forward() if len(prompts) > 1 else nullcontext()
+            with saved, compact, recompute(form != "graph"), batched:
                 state = scorer.prefix(model, prompts)[0]
             for t in state.k + state.v:  # held with their graph until training reads them (saved by attention too)
                 saved.count(t)
