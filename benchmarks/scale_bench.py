@@ -186,7 +186,8 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
         out = runner.run(prompts, [""] * P, params, phase_timer=timer)
         sync(device)
         step_s = time.perf_counter() - t
-        print(f"[scale_bench {time.strftime('%H:%M:%S')}] {a.workload} P={P} {mode} {'timed' if rep > 0 else 'warm-up'} "
+        kind = "timed" if rep > 0 else "warm-up"
+        print(f"[scale_bench {time.strftime('%H:%M:%S')}] {a.workload} P={P} {mode} {kind} "
               f"step {step_s:.2f}s " + " ".join(f"{k} {out.timeline.total_s(k):.2f}s" for k in STAGES), flush=True)
         step_peak = max(timer.peak_bytes.values(), default=0)
         peak_bytes = max(peak_bytes, step_peak)

@@ -53,5 +53,6 @@ case "${1:-}" in
     ${DRY:+echo} timeout -k 10 300 python benchmarks/decode_bench.py --geometry 7B --batch 64 --group 1 --context 2048 --steps 64 \
       --watchdog-s 290 --out "$OUT/decode-$stamp-b64.json" 2>&1 | tee "$OUT/decode-$stamp.log" ;;
   *)
-    echo "usage: $0 img-8-64 | img-8 | img-64 | sites-64 | vid-4 | vid-16 | img-32 | img-32-pair | profile-32 | profile-64 | host-64 | decode" >&2; exit 2 ;;
+    echo "usage: $0 img-8-64 | img-8 | img-64 | sites-64 | vid-4 | vid-16 | img-32 | img-32-pair | profile-32 |" \
+      "profile-64 | host-64 | decode" >&2; exit 2 ;;
 esac

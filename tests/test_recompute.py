@@ -526,12 +526,18 @@ def test_the_budget_caps_held_prefixes_for_the_last_steps_whole_graphs(setup):
     assert all(h < e for h, e in zip(log["held_estimates"], log["estimates"]))  # the computed prefixes left out
     sizes = [math.ceil(e * runner._whole_graph_scale) for e in log["held_estimates"]]
     assert runner._whole_graph_sizes == sizes
-    # the tiny model's whole graphs are below its recompute form's count (the cap never binds): graphs 4x as
-    # large, and a budget whose room beside the largest holds 3 of the largest prompt's prefix: the cap
+    # the tiny model's whole graphs are below its recompute form's count (the cap never binds): graphs k x as
+    # large, the largest twice that count, and a budget whose room beside the largest holds 3 of the largest
+    # prompt's prefix: the cap; only where training holds its prefixes in rounds (batched_actor_prefix)
     shape = runner.shape(setup[1], params)  # with what the step measured
+    runner.settings.plan = replace(runner.settings.plan, batched_actor_prefix=True)
     first = runner.memory_budget(shape, params)
     assert first.held_cap_bytes == first.train_room_bytes  # the room, uncapped
-    runner._whole_graph_sizes = sizes = [4 * s for s in sizes]
+    runner.settings.plan = replace(runner.settings.plan, batched_actor_prefix=False)
+    k = math.ceil(2 * first.residents["train"]["activations"] / max(sizes))
+    runner._whole_graph_sizes = sizes = [k * s for s in sizes]
+    assert runner.memory_budget(shape, params).held_cap_bytes is None  # no rounds (no batched prefix): no cap
+    runner.settings.plan = replace(runner.settings.plan, batched_actor_prefix=True)
     one = math.ceil(shape.compact_bytes_per_token * max(shape.prompt_lengths))
     resident = first.stage_bytes("train") - first.residents["train"]["activations"] + max(sizes)
     assert max(sizes) > first.residents["train"]["activations"]

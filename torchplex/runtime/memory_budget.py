@@ -210,7 +210,8 @@ def held_cap_for_whole_graphs(budget: MemoryBudget, whole_sizes: Sequence[int], 
     Fusing (overlapped), the prompts fused are held through training: of every count f that fits the room, the cap
     takes the one worth most, f + WHOLE_GRAPH_WORTH x the micro-batches kept whole beside them (H200, 7B, img P = 64:
     56 fused prefixes left room for 12 whole graphs of 64, and the step ran 9 s slower than with 25 fused and 64
-    whole)."""
+    whole). For a runner whose training holds prefixes in rounds (elsewhere the prompts left out would run their
+    prefixes per micro-batch)."""
     train = budget.residents["train"]
     rest = budget.stage_bytes("train") - train.get("activations", 0)
     free = lambda held: budget.usable_bytes - rest - held
