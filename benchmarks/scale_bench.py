@@ -375,6 +375,8 @@ def parse(argv=None):
     ap.add_argument("--plot", default="",
                     help="PNG of step time and s/sample vs P (default docs/img/scale-<workload>.png)")
     a = ap.parse_args(argv)
+    if a.warm_up_steps < 1:
+        ap.error(f"--warm-up-steps wants 1 or more, got {a.warm_up_steps} (--warmup first leaves the later modes none)")
     w = WORKLOADS[a.workload]
     a.video = (tuple(int(x) for x in a.video.split(",")) if a.video
                else None if a.prompt_tokens else w["video"])

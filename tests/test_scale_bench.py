@@ -172,6 +172,8 @@ def test_more_warm_up_steps_run_untimed_and_the_timed_plan_caps_the_held_prefixe
     assert log.count("P=2 decomposed warm-up") == 0 and log.count("P=2 decomposed timed") == 1
     planned = rows[0]["memory"]["planned"]
     assert planned["held_cap_bytes"] is not None and "micro-batches whole" in planned["held_cap"]
+    with pytest.raises(SystemExit):
+        scale_bench.parse(["--warm-up-steps", "0"])
 
 
 def test_batched_actor_prefix_rows_record_and_tabulate_what_training_held(tmp_path):
