@@ -193,6 +193,12 @@ class StepRunner:
                          ref_prefix_batchable=self._ref_prefix_unbatchable(params.n), device=self.device.type,
                          train_rounds=self._train_rounds())
 
+    def _fuses_actor_prefix(self) -> bool:
+        """Whether this runner's rollout prefill may hold actor prefixes (overlapped, fusion on, an engine with the
+        prefill hook)."""
+        plan = self.settings.plan
+        return bool(plan.mode == "overlapped" and plan.fuse_actor_prefix and self.engine.capabilities.prefill_hook)
+
     def _train_rounds(self) -> bool:
         """Whether training may hold prefixes in rounds (StepShape.train_rounds): one process, plain tensors."""
         return self.dp_size == 1 and plain_tensors(self.actor)
@@ -398,9 +404,9 @@ class StepRunner:
         rounds = plan.batched_actor_prefix and self._train_rounds()
         if self._whole_graph_sizes and rounds and self.settings.recompute == "auto" and is_checkpointed(self.actor):
             smallest = shape.compact_bytes_per_token or shape.activation_bytes_per_token
-            fusing = plan.mode == "overlapped" and plan.fuse_actor_prefix and self.engine.capabilities.prefill_hook
             budget.held_cap_bytes, budget.held_cap = held_cap_for_whole_graphs(
-                budget, self._whole_graph_sizes, [math.ceil(smallest * L) for L in shape.prompt_lengths], fusing)
+                budget, self._whole_graph_sizes, [math.ceil(smallest * L) for L in shape.prompt_lengths],
+                self._fuses_actor_prefix())
         return budget
 
     @contextmanager
@@ -573,7 +579,7 @@ class StepRunner:
         rollout's prefill batch (overlapped, fused) or HELD_BATCH_TOKENS (batched_actor_prefix: decomposed's
         batches, overlapped's rounds in training), the larger where both apply."""
         plan, caps = self.settings.plan, [0]
-        if plan.mode == "overlapped" and plan.fuse_actor_prefix and self.engine.capabilities.prefill_hook:
+        if self._fuses_actor_prefix():
             caps.append(getattr(self.engine, "prefill_tokens", HELD_BATCH_TOKENS))
         # decomposed's batched prefixes; overlapped's rounds in training for the prompts not fused
         rounds = plan.mode == "overlapped" and self._train_rounds()
@@ -614,10 +620,10 @@ class StepRunner:
             est = no_recompute_bytes(rate, prefix, suffix_rate, responses, vocab)
             if not serial:  # the suffixes' packed keys: each sample's prompt rows and its own tokens
                 keys = sum(len(req.prompts[i].input_ids) for i in req.prompt_index) + responses
-                suffix = packed_key_bytes(keys, t.num_layers, key_heads, t.head_dim, size)
-                est += suffix
+                key_bytes = packed_key_bytes(keys, t.num_layers, key_heads, t.head_dim, size)
+                est += key_bytes
                 # the same forward with its prefixes held: what the next plans keep room for
-                log["held_estimates"].append(no_recompute_bytes(rate, 0, suffix_rate, responses, vocab) + suffix)
+                log["held_estimates"].append(no_recompute_bytes(rate, 0, suffix_rate, responses, vocab) + key_bytes)
             free, margin = self._free_for_training(step)
             log["estimates"].append(est)  # unscaled: what whole_graph_scale compares the measured bytes with
             log["free_bytes"].append(free - margin)

@@ -34,6 +34,7 @@ it runs (`BatchTooLargeError`, naming the config keys to change).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -221,7 +222,7 @@ def held_cap_for_whole_graphs(budget: MemoryBudget, whole_sizes: Sequence[int], 
     if not fusing:
         return rounds, (f"{kept(rounds)} of {len(whole_sizes)} micro-batches whole beside {rounds / 2**30:.2f} GiB "
                         f"of held prefixes at once")
-    sums = [sum(prompt_bytes[:f]) for f in range(len(prompt_bytes) + 1)]
+    sums = itertools.accumulate(prompt_bytes, initial=0)  # f prompts fused hold sums[f]
     options = [(f, max(held, rounds)) for f, held in enumerate(sums) if held <= budget.room_bytes]
     f, cap = max(options, key=lambda o: (o[0] + WHOLE_GRAPH_WORTH * kept(o[1]), o[0]))
     return cap, (f"{f} prompts fused and {kept(cap)} of {len(whole_sizes)} micro-batches whole beside "
