@@ -372,35 +372,45 @@ def test_training_learns_its_activations_from_recomputing_micro_batches_only(set
     assert (act == 5_000_000) == recomputed
 
 
+def _graphs_take(runner, factor: float) -> list[int]:
+    """Stand-in counters (CPU) on `runner` under which each kept graph peaks at `factor` x the estimate its choice
+    was made with; returns the list the estimates are appended to."""
+    from step_runners import ScriptedWindows
+
+    sizes = {"recompute": 1_000, "prefix_backward": 0, "whole_graph": 0}
+    runner.windows = ScriptedWindows(sizes)
+    estimates = []
+    decide = runner._recompute_for
+
+    def scripted(step):
+        choose = decide(step)
+
+        def choice(mb, req):
+            on = choose(mb, req)
+            estimates.append(step.schedule.memory["recompute"]["estimates"][-1])
+            sizes["whole_graph"] = int(factor * estimates[-1])
+            return on
+
+        return choice
+
+    runner._recompute_for = scripted
+    return estimates
+
+
 def test_whole_graph_estimates_learn_what_the_kept_graphs_took(setup):
     """Defect (H200, 7B, vid P = 16, both decomposed modes): a micro-batch whose whole-graph estimate (17.1 GB) just
     fit what was free less the margin (17.1 of 24.6 GB free) kept its graph and ran out of memory: the estimate's
     rate is the prefix's graph per token, and a suffix forward takes more. What each kept graph measured against its
     estimate now scales the next steps' estimates (never below 1). Stand-in counters (CPU): every whole graph peaks
     at 3x its estimate; the budget is set so the second step's scaled estimates no longer fit."""
-    from step_runners import ScriptedWindows
+    from torchplex.runtime.memory_budget import FIRST_WHOLE_GRAPH_SCALE
 
     runner = runner_for(setup, "decomposed", checkpointed=True)  # budget 2**40: the first step keeps every graph
-    sizes = {"recompute": 1_000, "prefix_backward": 0, "whole_graph": 0}
-    runner.windows = ScriptedWindows(sizes)
-    estimates = []
-    decide = runner._recompute_for
-
-    def scripted(step):  # each whole graph takes 3x the estimate the choice was made with
-        choose = decide(step)
-
-        def choice(mb, req):
-            on = choose(mb, req)
-            estimates.append(step.schedule.memory["recompute"]["estimates"][-1])
-            sizes["whole_graph"] = 3 * estimates[-1]
-            return on
-
-        return choice
-
-    runner._recompute_for = scripted
+    estimates = _graphs_take(runner, 3)
     out, _ = run_step(runner, setup)
     log = out.schedule.memory["recompute"]
-    assert log["scale"] == 1.0 and not any(x is False for x in log["whole"]) and out.train.recompute["on"] == 0
+    assert log["scale"] == FIRST_WHOLE_GRAPH_SCALE  # nothing measured yet, stages measured: the prior
+    assert not any(x is False for x in log["whole"]) and out.train.recompute["on"] == 0
     assert out.train.measured_bytes == [3 * e for e in estimates] == log["measured"]
     assert runner._whole_graph_scale == pytest.approx(3.0)
     # the next step: free memory that holds each estimate twice over, not three times -> every micro-batch recomputes
@@ -411,6 +421,37 @@ def test_whole_graph_estimates_learn_what_the_kept_graphs_took(setup):
     from torchplex.runtime.memory_budget import whole_graph_scale
     assert whole_graph_scale(1.0, [10, 10], [5, 40], [True, False]) == 1.0  # a recomputed forward is not a graph
     assert whole_graph_scale(2.0, [10], [15], [True]) == 2.0  # never smaller than what earlier steps measured
+
+
+def test_until_a_kept_graph_is_measured_the_choices_carry_the_first_step_prior(setup):
+    """Defect (H200, 7B, vid P = 16, overlapped): the first step priced whole graphs at their bare estimate (scale 1),
+    kept a micro-batch estimated at 67.6 GiB whose graph took 80.8, and peaked at 135.9 GiB. Where stages are
+    measured, the choices now price graphs at FIRST_WHOLE_GRAPH_SCALE until one is measured; a step that kept none
+    keeps the prior, and the first measured ratio replaces it, a smaller one too. Without counters (CPU), 1."""
+    from torchplex.runtime.memory_budget import FIRST_WHOLE_GRAPH_SCALE
+
+    assert FIRST_WHOLE_GRAPH_SCALE > 1.1
+    plain = runner_for(setup, "decomposed", checkpointed=True)
+    out, _ = run_step(plain, setup)
+    log = out.schedule.memory["recompute"]
+    assert log["scale"] == 1.0 and all(log["whole"]) and plain._whole_graph_scale is None
+    free = int(1.2 * max(log["estimates"]))  # every graph fits at scale 1, the largest not at the prior
+
+    runner = runner_for(setup, "decomposed", checkpointed=True)
+    _graphs_take(runner, 1.1)
+    runner._free_for_training = lambda step: (0, 0)  # nothing fits: none kept, the prior stays
+    out, _ = run_step(runner, setup)
+    log = out.schedule.memory["recompute"]
+    assert log["scale"] == FIRST_WHOLE_GRAPH_SCALE and not any(log["whole"]) and runner._whole_graph_scale is None
+    runner._free_for_training = lambda step: (free, 0)
+    out, _ = run_step(runner, setup)
+    log = out.schedule.memory["recompute"]
+    assert log["scale"] == FIRST_WHOLE_GRAPH_SCALE
+    assert log["whole"] == [math.ceil(e * FIRST_WHOLE_GRAPH_SCALE) <= free for e in log["estimates"]]
+    assert any(log["whole"]) and not all(log["whole"])  # at scale 1 all would have been kept
+    assert runner._whole_graph_scale == pytest.approx(1.1, rel=1e-3)  # measured: below the prior, it replaces it
+    out, _ = run_step(runner, setup)
+    assert out.schedule.memory["recompute"]["scale"] == pytest.approx(1.1, rel=1e-3)
 
 
 @pytest.mark.parametrize("mode", ["decomposed", "overlapped"])
@@ -524,7 +565,7 @@ def test_the_budget_caps_held_prefixes_for_the_last_steps_whole_graphs(setup):
     log = out.schedule.memory["recompute"]
     assert all(log["whole"]) and len(log["held_estimates"]) == len(log["estimates"]) > 1
     assert all(h < e for h, e in zip(log["held_estimates"], log["estimates"]))  # the computed prefixes left out
-    sizes = [math.ceil(e * runner._whole_graph_scale) for e in log["held_estimates"]]
+    sizes = [math.ceil(e * runner._graph_scale()) for e in log["held_estimates"]]
     assert runner._whole_graph_sizes == sizes
     # the tiny model's whole graphs are below its recompute form's count (the cap never binds): graphs k x as
     # large, the largest twice that count, and a budget whose room beside the largest holds 3 of the largest

@@ -30,11 +30,12 @@ from ..models.qwen2_5_vl.parallelize import is_checkpointed
 from ..rl.losses import PolicyLossConfig
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
-from .memory_budget import (COMPACT, FIRST_TRAIN_UNPLANNED, HEADROOM, NONE, PREFIX_GRADS, UNPLANNED, MemoryBudget,
-                            PrefixChoice, agree_on_held_form, agree_on_recompute, batch_token_bound, device_capacity,
-                            held_at_once_bytes, held_cap_for_whole_graphs, held_gradient_bytes, kv_pool_bytes,
-                            needs_recompute, no_recompute_bytes, packed_key_bytes, prefix_backward_rate,
-                            recompute_train_bytes, step_residents, whole_graph_scale)
+from .memory_budget import (COMPACT, FIRST_TRAIN_UNPLANNED, FIRST_WHOLE_GRAPH_SCALE, HEADROOM, NONE, PREFIX_GRADS,
+                            UNPLANNED, MemoryBudget, PrefixChoice, agree_on_held_form, agree_on_recompute,
+                            batch_token_bound, device_capacity, held_at_once_bytes, held_cap_for_whole_graphs,
+                            held_gradient_bytes, kv_pool_bytes, needs_recompute, no_recompute_bytes,
+                            packed_key_bytes, prefix_backward_rate, recompute_train_bytes, step_residents,
+                            whole_graph_scale)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
 from .overlap import (HELD_BATCH_TOKENS, DecodeWindowJobs, PrefixStore, fused_prefill, hold_prefixes, length_groups,
                       rollout_prefill, token_batches)
@@ -152,8 +153,9 @@ class StepRunner:
         self._prefix_backward_rate: float | None = None
         # decomposed's batched actor prefix forward in the train stage: its transient beyond what it holds (CUDA)
         self._prefix_forward_bytes = 0
-        # measured whole graph / its estimate of training forwards that kept it (memory_budget.whole_graph_scale)
-        self._whole_graph_scale = 1.0
+        # measured whole graph / its estimate of training forwards that kept it (memory_budget.whole_graph_scale);
+        # None until a kept graph was measured (_graph_scale: the prior)
+        self._whole_graph_scale: float | None = None
         # the last step's training micro-batches' whole graphs with their prefixes held (scaled estimates), which
         # the budget weighs against held prefixes (memory_budget.held_cap_for_whole_graphs); empty until a step ran
         self._whole_graph_sizes: list[int] = []
@@ -561,7 +563,7 @@ class StepRunner:
             self._whole_graph_scale = whole_graph_scale(self._whole_graph_scale, log["estimates"],
                                                         step.result.measured_bytes, log["whole"])
         if log.get("held_estimates"):
-            self._whole_graph_sizes = [math.ceil(e * self._whole_graph_scale) for e in log["held_estimates"]]
+            self._whole_graph_sizes = [math.ceil(e * self._graph_scale()) for e in log["held_estimates"]]
         if self.windows.counter is not None:  # and what peaked outside those windows (the stage's unplanned bytes)
             elastic = ("whole_graph",) if is_checkpointed(self.actor) else ()
             grads = _local_bytes(p for p in self.actor.parameters() if p.requires_grad)
@@ -607,7 +609,7 @@ class StepRunner:
                                      self.actor.output_weight.dtype)
         tp_group = _tp_group(self.actor)
         log = step.schedule.memory.setdefault("recompute", {})
-        scale = self._whole_graph_scale
+        scale = self._graph_scale()
         log.update(bytes_per_token=rate, suffix_bytes_per_token=suffix_rate, scale=scale, estimates=[], free_bytes=[],
                    whole=[], held_estimates=[])
 
@@ -632,6 +634,13 @@ class StepRunner:
             return on
 
         return decide
+
+    def _graph_scale(self) -> float:
+        """The factor on the whole-graph estimates: the learned one (memory_budget.whole_graph_scale); before a kept
+        graph was measured, FIRST_WHOLE_GRAPH_SCALE where stages are measured (CUDA), else 1 (nothing will be)."""
+        if self._whole_graph_scale is not None:
+            return self._whole_graph_scale
+        return FIRST_WHOLE_GRAPH_SCALE if self.windows.counter is not None else 1.0
 
     def _free_for_training(self, step: _Step) -> tuple[int, int]:
         """(free bytes now, margin) for a training forward. CUDA: the device's free memory plus the allocator's

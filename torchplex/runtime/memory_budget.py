@@ -53,6 +53,11 @@ HEADROOM = 0.05  # of capacity, for the allocator's fragmentation and the small 
 # 4.3 GB); a decomposed runner's first step planned with none, with the optimizer state already resident (after
 # another mode's steps in one process; a resumed run is the same), peaked at 137.1 GiB, 5 GiB above its plan.
 FIRST_TRAIN_UNPLANNED = 0.05
+# The whole-graph scale (whole_graph_scale) before a step measured a kept graph, where stages are measured (CUDA).
+# H200, 7B: kept graphs measured 1.12-1.32x their estimates (every scale run of 2026-12-03/04); at scale 1, vid
+# P = 16 overlapped's first step kept a micro-batch estimated at 67.6 GiB whole, it took 80.8, and the step peaked
+# at 135.9 GiB.
+FIRST_WHOLE_GRAPH_SCALE = 1.35
 # what to change when a step does not fit, in the order a user reaches for them
 FIT_KEYS = ("data.prompts_per_step", "rollout.n_samples", "rollout.max_new_tokens", "rollout.kv_pool_gib",
             "algorithm.micro_batch_size", "memory.managed", "memory.budget_gib")
@@ -283,15 +288,19 @@ def packed_key_bytes(key_tokens: int, layers: int, key_heads: int, head_dim: int
     return 2 * key_tokens * layers * key_heads * head_dim * element_size
 
 
-def whole_graph_scale(previous: float, estimates: Sequence[int], measured: Sequence[int],
-                      whole: Sequence[bool]) -> float:
+def whole_graph_scale(previous: float | None, estimates: Sequence[int], measured: Sequence[int],
+                      whole: Sequence[bool]) -> float | None:
     """What a training forward's whole graph took against `no_recompute_bytes`' estimate, the largest ratio over
     the forwards that kept it (`whole`) and the earlier steps' (`previous`), never below 1: the next steps'
-    choices multiply the estimate by it. A forward's backward allocates beyond what its graph saves (the
-    activations' gradients of the layer in flight, the logits' in fp32), which no per-token rate counts: H200, 7B,
-    vid P = 16, a whole-graph micro-batch estimated at 17.1 GB ran out of the 24.6 GB it found free."""
+    choices multiply the estimate by it. None while no kept graph has been measured (previous None and none kept
+    here): the caller's prior stands (FIRST_WHOLE_GRAPH_SCALE); a measured ratio replaces that prior, below it too.
+    A forward's backward allocates beyond what its graph saves (the activations' gradients of the layer in
+    flight, the logits' in fp32), which no per-token rate counts: H200, 7B, vid P = 16, a whole-graph micro-batch
+    estimated at 17.1 GB ran out of the 24.6 GB it found free."""
     ratios = [m / e for e, m, w in zip(estimates, measured, whole) if w and e > 0]
-    return max([previous, 1.0, *ratios])
+    if previous is None and not ratios:
+        return None
+    return max([previous or 1.0, 1.0, *ratios])
 
 
 def recompute_train_bytes(compact_bytes_per_token: float, layer_bytes_per_token: float, tokens: int,
