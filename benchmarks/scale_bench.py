@@ -9,7 +9,7 @@ built by the trainer's builder (runtime/build.py) from step_bench's Config. Ever
 benchmarks/results/scale-YYYYMMDD-<short>.json (topic "scale", ../shared/RESULTS.md): step time (median of the timed
 steps after a warm-up), phases, peak allocated GiB (CPU: the process's peak RSS), samples, tokens, and the step's
 memory plan against what it held (planned bytes per group and stage, the prefix forms chosen, the KV pool and held
-graph measured). A row that runs out of memory or fails is `ok: false` with the error's first line, and the script
+graph measured), and the decode loop's steps and the share of its slot-steps that were live. A row that runs out of memory or fails is `ok: false` with the error's first line, and the script
 goes on; a mode whose step passed --max-step-s is not run at larger P (its row says why). --plot draws step time
 and seconds per sample against P per mode.
 """
@@ -182,6 +182,7 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
         if device.type == "cuda":
             peak_memory.reset_peak()
         prefill_before = engine.stats.prefill_s
+        decode_before = decode_counts(engine)
         t = time.perf_counter()
         out = runner.run(prompts, [""] * P, params, phase_timer=timer)
         sync(device)
@@ -200,6 +201,7 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
             row["peak_timed_gib"] = max(row.get("peak_timed_gib", 0.0), step_peak / 2**30)
             steps.append(step_s)
             prefill.append(engine.stats.prefill_s - prefill_before)
+            row["decode"] = decode_record(decode_before, decode_counts(engine), engine, P * a.group)
             for k in STAGES:
                 phases[k].append(out.timeline.total_s(k))
     exp = out.experience
@@ -216,6 +218,23 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
     if peak:
         row.update(row_mfu(runner.actor.args, out, mode, row["phases_s"], statistics.median(prefill), peak))
     return row
+
+
+def decode_counts(engine) -> tuple[float, int, int]:
+    """The engine's running decode totals: (seconds, steps, tokens generated)."""
+    st = engine.stats
+    return st.decode_s, st.decode_steps, st.generated_tokens
+
+
+def decode_record(before, after, engine, samples: int) -> dict:
+    """The last timed step's decode loop: its seconds and steps, the pool's sample slots (every step runs over all
+    of them: static shapes), and the share of those slot-steps that decoded a live sample, `live_fraction` (each
+    sample's first token is sampled in the prefill, the others one per decode step)."""
+    seconds, steps, tokens = (b - a for a, b in zip(before, after))
+    slots = engine.pool.num_slots if engine.pool is not None else 0
+    live = (tokens - samples) / (steps * slots) if steps and slots else 0.0
+    return {"s": seconds, "steps": steps, "slots": slots, "live_fraction": live,
+            "ms_per_step": 1e3 * seconds / steps if steps else 0.0}
 
 
 def recompute_record(schedule) -> dict:

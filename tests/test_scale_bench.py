@@ -29,6 +29,12 @@ def test_scale_bench_runs_a_list_of_p_and_modes_and_keeps_going_after_a_failure(
         assert planned["residents"]["rollout"]["kv_pool"] == measured["kv_pool_bytes"] > 0  # the budget-sized pool
         assert planned["residents"]["rollout"]["actor_weights"] == measured["actor_weights_bytes"]
         assert planned["residents"]["rollout"]["optimizer_state"] == measured["optimizer_state_bytes"]  # AdamW
+        # the decode loop: every step over the pool's slots, a share of them live (responses of at most 4 tokens:
+        # at most 3 decode steps, the first token from the prefill)
+        d = r["decode"]
+        assert d["slots"] >= r["samples"] and 1 <= d["steps"] <= 3 and d["s"] > 0
+        assert 0 < d["live_fraction"] <= r["samples"] / d["slots"]
+        assert d["live_fraction"] == (r["response_tokens"] - r["samples"]) / (d["steps"] * d["slots"])
     overlapped = [r for r in rows if r["mode"] == "overlapped"]
     # the fused graph held what the plan declared (the first step's estimate, then the measured rate)
     assert all(r["memory"]["planned"]["forms"] == {"graph": r["prompts"]} for r in overlapped)
