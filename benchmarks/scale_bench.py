@@ -9,9 +9,10 @@ built by the trainer's builder (runtime/build.py) from step_bench's Config. Ever
 benchmarks/results/scale-YYYYMMDD-<short>.json (topic "scale", ../shared/RESULTS.md): step time (median of the timed
 steps after a warm-up), phases, peak allocated GiB (CPU: the process's peak RSS), samples, tokens, and the step's
 memory plan against what it held (planned bytes per group and stage, the prefix forms chosen, the KV pool and held
-graph measured), and the decode loop's steps and the share of its slot-steps that were live. A row that runs out of memory or fails is `ok: false` with the error's first line, and the script
-goes on; a mode whose step passed --max-step-s is not run at larger P (its row says why). --plot draws step time
-and seconds per sample against P per mode.
+graph measured), and the decode loop's steps and the share of its slot-steps that were live. A row that runs out
+of memory or fails is `ok: false` with the error's first line, and the script goes on; a mode whose step passed
+--max-step-s is not run at larger P (its row says why). --plot draws step time and seconds per sample against P per
+mode.
 """
 
 from __future__ import annotations
