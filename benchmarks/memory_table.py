@@ -3,7 +3,8 @@
     python benchmarks/memory_table.py benchmarks/results/scale-20261201-*.json
 
 For each row that ran: the bytes the step's budget planned per group in its fullest stage beside what the step
-held (weights, optimizer state, KV pool, held prefixes) and each stage's measured peak against its planned total.
+held (weights, optimizer state, KV pool, held prefixes: every round's) and each stage's measured peak against its
+planned total (training's with the prefixes it holds at once: its largest round's, the fused ones being round 0).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def tables(files: list[str]) -> str:
         train, roll = res.get("train", {}), res.get("rollout", {})
         held_plan = plan.get("held_graph_bytes", 0)  # from the rollout to training
         train_held = plan.get("train_held_bytes", 0)  # within training (decomposed's batched actor prefix)
+        # what training holds at once: one round's (files before 2026-12-04 have every round's only); the fused
+        # prefixes are round 0, freed by their batched backward before round 1's forward
+        train_at_once = plan.get("train_held_at_once_bytes", train_held)
         held = meas.get("held_graph_bytes", 0) + meas.get("held_compact_bytes", 0)
         forms = ", ".join([f"{k} {v}" for k, v in plan.get("forms", {}).items()]
                           + [f"in training: {k} {v}" for k, v in plan.get("train_forms", {}).items()])
@@ -42,7 +46,7 @@ def tables(files: list[str]) -> str:
             f"{gib(roll.get('kv_pool', 0))} / {gib(meas.get('kv_pool_bytes', 0))} | {gib(held_plan + train_held)} / "
             f"{gib(held)} | "
             f"{gib(train.get('activations', 0))} | {gib(sum(roll.values()) + held_plan)} / "
-            f"{gib(peaks.get('rollout', 0))} | {gib(sum(train.values()) + held_plan + train_held)} / "
+            f"{gib(peaks.get('rollout', 0))} | {gib(sum(train.values()) + max(held_plan, train_at_once))} / "
             f"{gib(peaks.get('train', 0))} | "
             f"{r['peak_gib']:.1f} |")
     return "\n".join(out) + "\n\nAll in GiB. Planned: the step's memory budget (`Schedule.memory`); measured: the " \

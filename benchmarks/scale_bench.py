@@ -49,6 +49,7 @@ from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointi
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
 from torchplex.rollout.sampling import SamplingParams  # noqa: E402
 from torchplex.runtime.build import build_step_runtime  # noqa: E402
+from torchplex.runtime.memory_budget import held_at_once_bytes  # noqa: E402
 
 # ../shared/WORKLOADS.md: prompt tokens, (frames, side) of a video prompt, mean response, response cap
 WORKLOADS = {"img": dict(prompt_tokens=1024, video=None, mean_response=256, response=1024),
@@ -99,6 +100,8 @@ def memory_record(out, runner, engine, phase_timer: PhaseTimer) -> dict:
                         # the rooms' cap for the whole graphs the last step's micro-batches kept (memory_budget)
                         "held_cap_bytes": s.memory.get("held_cap_bytes"), "held_cap": s.memory.get("held_cap", ""),
                         "train_held_bytes": sum(c.bytes for c in s.train_prefix_forms),
+                        # in rounds training holds one round at a time: its largest's bytes
+                        "train_held_at_once_bytes": held_at_once_bytes(s.train_prefix_forms),
                         "train_forms": {f: [c.form for c in s.train_prefix_forms].count(f)
                                         for f in sorted({c.form for c in s.train_prefix_forms})}},
             "measured": {"actor_weights_bytes": tensor_bytes(runner.actor.parameters()),

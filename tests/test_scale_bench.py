@@ -193,6 +193,7 @@ def test_batched_actor_prefix_rows_record_and_tabulate_what_training_held(tmp_pa
     planned, measured = row["memory"]["planned"], row["memory"]["measured"]
     assert row["ok"] and planned["forms"] == {"none": 2} and sum(planned["train_forms"].values()) == 2
     assert planned["held_graph_bytes"] == 0 < planned["train_held_bytes"]
+    assert planned["train_held_at_once_bytes"] == planned["train_held_bytes"]  # one round
     assert measured["held_graph_bytes"] + measured["held_compact_bytes"] > 0
     from benchmarks.memory_table import tables
     line = tables([str(out)]).splitlines()[2]
@@ -259,3 +260,25 @@ def test_host_profile_covers_the_chosen_training_micro_batches(tmp_path):
     assert late["ok"] and "fewer than 10" in late["host_profile"]["error"]
     with pytest.raises(SystemExit):
         scale_bench.parse(["--host-profile", "3:decomposed"])
+
+
+def test_the_memory_table_plans_training_with_the_largest_round_held_not_every_round(tmp_path):
+    """Defect (docs/memory.md, 2026-12-04): with training's rounds the table planned the train stage with every round's
+    held prefixes (img P = 64 overlapped read 135.1 GiB planned against 128.1 measured), though one round is held at a
+    time, and the fused prefixes (round 0) are freed before round 1. The train peak's plan now adds the largest
+    round's bytes; the held column keeps every round's; a file written before the at-once bytes were recorded counts
+    all of training's as one round."""
+    from benchmarks.memory_table import GIB, tables
+
+    plan = {"residents": {"rollout": {"kv_pool": 4 * GIB}, "train": {"actor_weights": 16 * GIB, "grads": 16 * GIB}},
+            "held_graph_bytes": 2 * GIB, "train_held_bytes": 30 * GIB, "train_held_at_once_bytes": 10 * GIB,
+            "forms": {"compact": 2}, "train_forms": {"compact": 6}}
+    row = {"ok": True, "workload": "img", "prompts": 8, "mode": "overlapped", "peak_gib": 60.0,
+           "memory": {"planned": plan, "measured": {"stage_peak_bytes": {"train": 45 * GIB}}}}
+    older = {**row, "memory": {**row["memory"], "planned": {k: v for k, v in plan.items()
+                                                            if k != "train_held_at_once_bytes"}}}
+    (tmp_path / "r.json").write_text(json.dumps({"rows": [row, older]}))
+    cells = [line.split(" | ") for line in tables([str(tmp_path / "r.json")]).splitlines()[2:4]]
+    # 16 + 16 + the largest round: 10 of training's (the 2 fused are round 0, freed before round 1), or all 30
+    assert [c[11] for c in cells] == ["42.0 / 45.0", "62.0 / 45.0"]
+    assert [c[8] for c in cells] == ["32.0 / 0", "32.0 / 0"]  # held prefixes: every round's, 2 + 30
