@@ -232,13 +232,14 @@ def decode_counts(engine) -> tuple[float, int, int]:
 
 def decode_record(before, after, engine, samples: int) -> dict:
     """The last timed step's decode loop: its seconds and steps, the pool's sample slots (every step runs over all
-    of them: static shapes), and the share of those slot-steps that decoded a live sample, `live_fraction` (each
-    sample's first token is sampled in the prefill, the others one per decode step)."""
+    of them: static shapes, until a compaction, `--compact-decode`), and the share of those slot-steps that decoded
+    a live sample, `live_fraction` (each sample's first token is sampled in the prefill, the others one per decode
+    step); `compactions`: the engine's so far."""
     seconds, steps, tokens = (b - a for a, b in zip(before, after))
     slots = engine.pool.num_slots if engine.pool is not None else 0
     live = (tokens - samples) / (steps * slots) if steps and slots else 0.0
     return {"s": seconds, "steps": steps, "slots": slots, "live_fraction": live,
-            "ms_per_step": 1e3 * seconds / steps if steps else 0.0}
+            "ms_per_step": 1e3 * seconds / steps if steps else 0.0, "compactions": engine.stats.compactions}
 
 
 def recompute_record(schedule) -> dict:
@@ -362,6 +363,8 @@ def parse(argv=None):
     ap.add_argument("--repeats", type=int, default=2, help="timed steps after the warm-up (0: the one step is timed)")
     ap.add_argument("--memory-budget-gib", type=float, default=0.0, help="memory.budget_gib (0: the device's)")
     ap.add_argument("--kv-pool-gib", type=float, default=0.0, help="rollout.kv_pool_gib (0: sized from the budget)")
+    ap.add_argument("--compact-decode", action="store_true",
+                    help="rollout.compact_decode: the live samples decode alone once they fit one per group slot")
     ap.add_argument("--managed", action="store_true", help="memory.managed: offload groups between stages")
     ap.add_argument("--freeze-vision", action="store_true")
     ap.add_argument("--warmup", default="each", choices=["each", "modes", "first"],
@@ -448,6 +451,7 @@ def main(argv=None) -> dict:
     if a.activation_checkpointing:
         apply_activation_checkpointing(actor)
     engine = RolloutEngine(actor, kv_pool_bytes=int(a.kv_pool_gib * 2**30), compile_decode=device.type == "cuda",
+                           compact_decode=a.compact_decode,
                            max_batch=max(a.prompt_list) * a.group)
     engine.time_prefill = True  # prefill_s as device time: the rows' prefill MFU
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.response, seed=0,
@@ -459,7 +463,7 @@ def main(argv=None) -> dict:
               "transformers": _transformers_version(), "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
               "peak_tflops": peak / 1e12, "activation_checkpointing": a.activation_checkpointing,
               "fused_elementwise": fusion.enabled(), "micro_batch": a.micro_batch, "ref_micro_batch": a.ref_micro_batch,
-              "packed_scoring": not a.padded, "rows": rows}
+              "packed_scoring": not a.padded, "compact_decode": a.compact_decode, "rows": rows}
     out = Path(a.out or f"benchmarks/results/scale-{time.strftime('%Y%m%d', time.gmtime())}-{a.workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     # One runner per mode for the whole run: the rates it measured (held-prefix bytes per token, training

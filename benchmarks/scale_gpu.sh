@@ -13,6 +13,9 @@
 #   run(command="bash benchmarks/scale_gpu.sh img-32")     # img P = 32, every mode, unbatched too (~490 s)
 #   run(command="bash benchmarks/scale_gpu.sh img-32-pair") # img P = 32, overlapped + decomposed, two warm-up
 #                                                          # steps each (~250 s)
+#   run(command="bash benchmarks/scale_gpu.sh compact-32") # img-32-pair with --compact-decode (~310 s estimated:
+#                                                          # one more decode compile); compare with img-32-pair
+#   run(command="bash benchmarks/scale_gpu.sh compact-64") # img-64 with --compact-decode (~470 s estimated)
 #   run(command="bash benchmarks/scale_gpu.sh serial-64")  # img P = 64, serial alone (~420 s estimated: ~165 s a step)
 #   run(command="bash benchmarks/scale_gpu.sh serial-vid-16") # vid P = 16, serial alone (~400 s estimated)
 #   run(command="bash benchmarks/scale_gpu.sh profile-32") # img P = 32 overlapped + decomposed, each profiled (~450 s)
@@ -48,6 +51,8 @@ case "${1:-}" in
   vid-16) scale vid-16 vid 16 overlapped,decomposed --warmup modes ;;
   img-32) scale img-32 img 32 overlapped,decomposed,serial,decomposed-unbatched --warmup modes ;;
   img-32-pair) scale img-32-pair img 32 overlapped,decomposed --warmup modes --warm-up-steps 2 ;;
+  compact-32) scale img-32-compact img 32 overlapped,decomposed --warmup modes --warm-up-steps 2 --compact-decode ;;
+  compact-64) scale img-64-compact img 64 overlapped,decomposed --warmup modes --warm-up-steps 2 --compact-decode ;;
   serial-64) scale img-64-serial img 64 serial --warmup modes ;;
   serial-vid-16) scale vid-16-serial vid 16 serial --warmup modes ;;
   profile-32) scale profile-32 img 32 overlapped,decomposed --warmup modes --profile 32:overlapped,decomposed ;;
@@ -58,5 +63,5 @@ case "${1:-}" in
       --watchdog-s 290 --out "$OUT/decode-$stamp-b64.json" 2>&1 | tee "$OUT/decode-$stamp.log" ;;
   *)
     echo "usage: $0 img-8-64 | img-8 | img-64 | sites-64 | vid-4 | vid-16 | img-32 | img-32-pair | profile-32 |" \
-      "serial-64 | serial-vid-16 | profile-64 | host-64 | decode" >&2; exit 2 ;;
+      "compact-32 | compact-64 | serial-64 | serial-vid-16 | profile-64 | host-64 | decode" >&2; exit 2 ;;
 esac

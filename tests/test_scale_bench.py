@@ -201,7 +201,7 @@ def test_batched_actor_prefix_rows_record_and_tabulate_what_training_held(tmp_pa
 
 
 @pytest.mark.parametrize("step", ["img-8-64", "img-8", "img-64", "vid-4", "vid-16", "img-32", "img-32-pair",
-                                  "serial-64", "serial-vid-16", "profile-32"])
+                                  "compact-32", "compact-64", "serial-64", "serial-vid-16", "profile-32"])
 def test_each_gpu_step_of_scale_gpu_sh_is_a_command_scale_bench_accepts(step, tmp_path):
     """benchmarks/scale_gpu.sh runs on the H200 only, where a typo costs a device call: its steps (printed with
     DRY=1) parse as scale_bench arguments, each under the device call's 10-minute limit."""

@@ -108,6 +108,9 @@ class RolloutConfig:
     max_new_tokens: int = 32
     kv_pool_gib: float = 1.0  # 0 = sized each step from the memory budget (memory.budget_gib): all groups if they fit
     max_batch: int = 256  # sequences decoded concurrently
+    # native backend: once no prompt waits and the live samples fit one per group slot, decode them alone (as groups
+    # of one in the pool's first rows) instead of every slot to the longest response's end; not yet measured on a GPU
+    compact_decode: bool = False
     # backend "sglang" (rollout/sglang_backend/): a rollout SGLang does not answer within this fails the step
     sglang_timeout_s: float = 600.0
     sglang_mem_fraction: float = 0.2  # SGLang's mem_fraction_static: its weights + KV cache, of the GPU's memory

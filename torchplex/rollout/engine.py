@@ -26,7 +26,7 @@ from ..components.captured_step import CAPTURE_ROOM, CapturedStep, plain_tensors
 from ..data.batching import collate, encode_visuals
 from ..distributed.fsdp import gathered
 from ..models.attention import PrefixState
-from .kv_pool import DECODE_KERNELS, GroupedDecodeAttention, GroupKVPool, PoolTooSmallError
+from .kv_pool import DECODE_KERNELS, CompactedPool, GroupedDecodeAttention, GroupKVPool, PoolTooSmallError
 from .protocol import RolloutCapabilities
 from .sampling import SamplingParams, sample, sample_seeds as default_seeds  # generate() has a sample_seeds
 
@@ -64,6 +64,16 @@ class RolloutStats:
     captures: int = 0  # CUDA graphs of the decode step captured (one per pool storage: each rollout after a release)
     capture_s: float = 0.0  # part of decode_s
     capture_pool_bytes: int = 0  # the largest capture's reservation: twice it is made free before the next capture
+    compactions: int = 0  # rollouts whose live samples moved to the compacted rows (compact_decode)
+
+
+@dataclass
+class _DecodeStep:
+    """One layout's decode step: the sampling params it was made for, compiled, and what is called (on CUDA the
+    captured graph, made again for each pool storage)."""
+    params: SamplingParams | None = None
+    compiled: Callable | None = None
+    fn: Callable | None = None
 
 
 class RolloutEngine:
@@ -75,7 +85,8 @@ class RolloutEngine:
     def __init__(self, model, *, kv_pool_bytes: int, max_batch: int = 256, kv_dtype: torch.dtype | None = None,
                  compile_decode: bool | None = None, prefill_tokens: int = 16384, check_interval: int | None = None,
                  pad_id: int = 0, decode_kernel: str | None = None, flex_options: dict | None = None,
-                 decode_priority: bool = False, fused_qkv: bool | None = None, compile_options: dict | None = None):
+                 decode_priority: bool = False, fused_qkv: bool | None = None, compile_options: dict | None = None,
+                 compact_decode: bool = False):
         self.model = model
         self.kv_pool_bytes = int(kv_pool_bytes)
         self.max_batch = max_batch
@@ -99,9 +110,14 @@ class RolloutEngine:
         # compile_options: inductor options of the decode step's torch.compile, e.g. {"max_autotune_gemm": True}
         # (inductor benchmarks Triton GEMM templates against cuBLAS per shape: minutes more compilation).
         self.compile_options = compile_options
-        self._step_params: SamplingParams | None = None
-        self._compiled_step = None
+        self._steps = {"pool": _DecodeStep(), "compacted": _DecodeStep()}  # the decode step per layout
         self._compiled_shapes: set = set()  # (sampling params, pool geometry) compiled so far, for the log
+        # compact_decode: once no prompt waits and the live samples fit one per group slot, they move to the pool's
+        # first rows as groups of one (kv_pool.CompactedPool) and decode on with a step over those rows alone; the
+        # full-pool step ran every slot to the longest response's end. One more compiled step (and, on CUDA, one
+        # more capture per rollout) per pool geometry. Off by default: not yet measured on a GPU.
+        self.compact_decode = compact_decode
+        self._compacted: CompactedPool | None = None
         self.prefill_tokens = prefill_tokens
         # Checking for finished samples costs a host sync; on GPU do it every few steps.
         self.check_interval = check_interval or (4 if self.device.type == "cuda" else 1)
@@ -125,12 +141,20 @@ class RolloutEngine:
         # time_prefill (CUDA): synchronize around each prefill so stats.prefill_s is its device time, not the time
         # to enqueue it (benchmarks computing prefill MFU turn it on; it costs a sync per admission)
         self.time_prefill = False
-        self._step_fn = None
 
-    def _count_capture(self, seconds: float) -> None:
+    @property
+    def _compiled_step(self):
+        return self._steps["pool"].compiled
+
+    def _count_capture(self, seconds: float, captured: CapturedStep) -> None:
         self.stats.captures += 1
         self.stats.capture_s += seconds
-        self.stats.capture_pool_bytes = max(self.stats.capture_pool_bytes, self._step_fn.pool_bytes)
+        self.stats.capture_pool_bytes = max(self.stats.capture_pool_bytes, captured.pool_bytes)
+
+    def _new_storage(self) -> None:
+        """The pool's tensors changed: captured graphs must not keep the old addresses."""
+        for st in self._steps.values():
+            st.fn = None
 
     # ---- pool lifetime -------------------------------------------------------------------------------
     def _pool_for(self, n: int, max_prompt: int, max_new: int, num_prompts: int) -> GroupKVPool:
@@ -147,14 +171,14 @@ class RolloutEngine:
         groups = lambda: min(max_groups, budget // pool.bytes_per_group)
         if (pool is None or pool.n != n or pool.max_prompt < max_prompt or pool.max_new != max_new
                 or pool.dtype != dtype or groups() != pool.num_groups):
-            self.pool = None  # drop the old tensors before sizing the new ones
+            self.pool = self._compacted = None  # drop the old tensors before sizing the new ones
             pool = GroupKVPool(num_layers=t.num_layers, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, n=n,
                                max_prompt=max_prompt, max_new=max_new, budget_bytes=budget,
                                max_groups=max_groups, dtype=dtype, device=self.device)
-            self._step_fn = None
+            self._new_storage()
         if pool.prefix_k is None:
             pool.reserve()
-            self._step_fn = None  # new storage: a captured graph must not keep the old addresses
+            self._new_storage()
         self.pool = pool
         return pool
 
@@ -187,38 +211,44 @@ class RolloutEngine:
                                          image_embeds=image, video_embeds=video)
 
     # ---- decode --------------------------------------------------------------------------------------
-    def _decode_step(self, params: SamplingParams, tokens, positions, suffix_len, seeds, steps):
+    def _decode_step(self, params: SamplingParams, pool, tokens, positions, suffix_len, seeds, steps):
         model = self.model
         h = model.tok_embeddings(tokens[:, None])
-        attn = GroupedDecodeAttention(self.pool, suffix_len, self.decode_kernel, self.flex_options)
+        attn = GroupedDecodeAttention(pool, suffix_len, self.decode_kernel, self.flex_options)
         hidden = model.decode(h, positions.view(1, -1, 1).expand(3, -1, 1), attn, fused_qkv=self.fused_qkv)
         return sample(model.logits(hidden[:, 0]), params, seeds, steps)
 
-    def _step(self, params: SamplingParams):
-        """The decode step for these sampling params: eager, compiled, and (CUDA) replayed from one captured graph.
+    _LAYOUTS = {"pool": "pool", "compacted": "_compacted"}  # a decode step's layout -> the attribute it reads
+
+    def _step(self, params: SamplingParams, layout: str = "pool"):
+        """The decode step for these sampling params over `layout`'s rows (the pool's every slot, or its compacted
+        live samples): eager, compiled, and (CUDA) replayed from one captured graph.
 
         Shapes are static for the pool's lifetime, so one compilation serves every step of every rollout on it."""
         # The seed reaches the step as per-sample tensors, so a new seed per GRPO step reuses the compiled step; the
-        # compiled function outlives pool release/reserve (same shapes), only the CUDA graph is captured again.
+        # compiled function outlives pool release/reserve (same shapes), only the CUDA graph is captured again. It
+        # reads the layout through the engine's attribute, as a pool rebuilt at another size is read.
+        st, attr = self._steps[layout], self._LAYOUTS[layout]
         key = dataclasses.replace(params, seed=0)
-        if self._step_params != key:
-            self._step_params = key  # one object per distinct params: what the compiled step's guards see
-            fn = lambda *state: self._decode_step(key, *state)
-            self._compiled_step = (torch.compile(fn, dynamic=False, options=self.compile_options) if self.use_compile
-                                   else fn)
-            self._step_fn = None
-        if self._step_fn is None:
-            pool = self.pool
-            shape = (repr(key), pool.num_groups, pool.n, pool.max_prompt, pool.max_new)
+        if st.params != key:
+            st.params = key  # one object per distinct params: what the compiled step's guards see
+            fn = lambda *state: self._decode_step(key, getattr(self, attr), *state)
+            st.compiled = (torch.compile(fn, dynamic=False, options=self.compile_options) if self.use_compile
+                           else fn)
+            st.fn = None
+        if st.fn is None:
+            pool = getattr(self, attr)
+            shape = (repr(key), layout, pool.num_groups, pool.n, pool.max_prompt, pool.max_new)
             if self.use_compile and shape not in self._compiled_shapes:  # later steps and rollouts replay
                 self._compiled_shapes.add(shape)
                 log.info("rollout: compiling the decode step for %d groups x n=%d, prompts <= %d, <= %d new tokens "
                          "(about a minute on a GPU the first time)", pool.num_groups, pool.n, pool.max_prompt,
                          pool.max_new)
             room = max(CAPTURE_ROOM, 2 * self.stats.capture_pool_bytes)
-            self._step_fn = (CapturedStep(self._compiled_step, self._count_capture, room) if self.use_graphs
-                             else self._compiled_step)
-        return lambda params, *state: self._step_fn(*state)
+            st.fn = (CapturedStep(st.compiled, lambda s: self._count_capture(s, st.fn), room) if self.use_graphs
+                     else st.compiled)
+        fn = st.fn
+        return lambda params, *state: fn(*state)
 
     def generate(self, prompts: Sequence, params: SamplingParams, *, sample_seeds: Sequence[Sequence[int]] | None = None,
                  on_step: Callable[[DecodeStepInfo], None] | None = None,
@@ -296,34 +326,87 @@ class RolloutEngine:
 
         finished_samples: dict[int, SampleOutput] = {}  # slot -> output, for slots of groups still decoding
 
-        def sample_output(s: int, i: int, c: int) -> SampleOutput:
+        def sample_output(s: int, i: int, j: int, c: int) -> SampleOutput:
             toks = out_tokens[s, :c].tolist()
             reason = "stop" if toks and toks[-1] in params.stop_token_ids else "length"
-            return SampleOutput(i, s % n, toks, out_logprobs[s, :c].tolist(), reason)
+            return SampleOutput(i, j, toks, out_logprobs[s, :c].tolist(), reason)
 
-        def collect_finished():
+        def finish(i: int, outs: list[SampleOutput]) -> None:
+            self.stats.generated_tokens += sum(len(o.token_ids) for o in outs)
+            results[i] = outs
+
+        def collect_finished() -> list[bool]:
             slot_active = active.tolist()
             if on_samples_finished is not None:
                 counts, new = gen_count.tolist(), []
                 for g, i in owner.items():
                     for s in range(g * n, (g + 1) * n):
                         if not slot_active[s] and s not in finished_samples:
-                            finished_samples[s] = sample_output(s, i, counts[s])
+                            finished_samples[s] = sample_output(s, i, s % n, counts[s])
                             new.append(finished_samples[s])
                 if new:
                     on_samples_finished(new)
             done_groups = [g for g in owner if not any(slot_active[g * n:(g + 1) * n])]
             if not done_groups:
-                return
+                return slot_active
             counts = gen_count.tolist()
             for g in done_groups:
                 i = owner.pop(g)
-                outs = [finished_samples.pop(s, None) or sample_output(s, i, counts[s])
-                        for s in range(g * n, (g + 1) * n)]
-                self.stats.generated_tokens += sum(len(o.token_ids) for o in outs)
-                results[i] = outs
+                finish(i, [finished_samples.pop(s, None) or sample_output(s, i, s % n, counts[s])
+                           for s in range(g * n, (g + 1) * n)])
                 active[g * n:(g + 1) * n] = False
                 pool.give_back(g)
+            return slot_active
+
+        # after compaction (compact_decode): row b decodes sample_of[b] = (prompt, sample); done holds the finished
+        sample_of: list[tuple[int, int]] = []
+        done: dict[tuple[int, int], SampleOutput] = {}
+
+        def compact(slot_active: list[bool]) -> bool:
+            """Move the live samples to the compacted rows, if they fit one per group slot and none waits."""
+            nonlocal last_token, gen_count, start_pos, seeds, active, out_tokens, out_logprobs, rows
+            live = [s for s in range(slots) if slot_active[s]]
+            if not self.compact_decode or waiting or n == 1 or not 0 < len(live) <= pool.num_groups:
+                return False
+            counts = gen_count.tolist()
+            for g, i in owner.items():  # the finished samples of groups still decoding leave their slots now
+                for s in range(g * n, (g + 1) * n):
+                    if not slot_active[s]:
+                        done[i, s % n] = finished_samples.pop(s, None) or sample_output(s, i, s % n, counts[s])
+            sample_of[:] = [(owner[s // n], s % n) for s in live]
+            if self._compacted is None:
+                self._compacted = CompactedPool(pool)
+            self._compacted.move(live)
+            self._steps["compacted"].fn = None  # the moved rows' views: captured again
+            index = torch.tensor(live, device=dev)
+            rows_n = self._compacted.num_slots
+
+            def take(t, fill):
+                out = t.new_full((rows_n, *t.shape[1:]), fill)
+                out[:len(live)] = t[index]
+                return out
+
+            last_token, gen_count, start_pos, seeds = (take(last_token, 0), take(gen_count, 1), take(start_pos, 0),
+                                                       take(seeds, 0))
+            active, out_tokens, out_logprobs = take(active, False), take(out_tokens, 0), take(out_logprobs, 0.0)
+            rows = torch.arange(rows_n, device=dev)
+            self.stats.compactions += 1
+            return True
+
+        def collect_compacted() -> None:
+            row_active, counts, new = active.tolist(), gen_count.tolist(), []
+            decoding = set(owner.values())  # prompts not yet returned
+            for b, (i, j) in enumerate(sample_of):
+                if not row_active[b] and i in decoding and (i, j) not in done:
+                    done[i, j] = sample_output(b, i, j, counts[b])
+                    new.append(done[i, j])
+            if new and on_samples_finished is not None:
+                on_samples_finished(new)
+            for g, i in list(owner.items()):
+                if all((i, j) in done for j in range(n)):
+                    owner.pop(g)
+                    finish(i, [done.pop((i, j)) for j in range(n)])
+                    pool.give_back(g)
 
         admit()
         collect_finished()
@@ -331,6 +414,7 @@ class RolloutEngine:
         if self.fused_qkv:
             self.model.fuse_qkv()  # from this step's weights; in place, so a captured decode graph stays valid
         step_fn = self._step(params)
+        compacted = False
         with self._on_decode_stream():
             t_decode = time.perf_counter()
             while owner:
@@ -350,8 +434,14 @@ class RolloutEngine:
                 if on_step is not None:
                     on_step(DecodeStepInfo(step, len(owner) * n, len(waiting)))
                 if step % self.check_interval == 0 or step >= max_new:
-                    collect_finished()
-                    if waiting and pool.free_groups:
+                    if compacted:
+                        collect_compacted()
+                        continue
+                    slot_active = collect_finished()
+                    if owner and compact(slot_active):
+                        compacted = True
+                        step_fn = self._step(params, "compacted")
+                    elif waiting and pool.free_groups:
                         self.stats.decode_s += time.perf_counter() - t_decode
                         with self._on_caller_stream():  # prefill writes the pool the decode stream reads
                             admit()

@@ -10,6 +10,8 @@ A group slot is taken when a prompt is prefilled and given back when all its sam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
@@ -90,6 +92,47 @@ class GroupKVPool:
             self.prefix_k[layer][group, :, :length] = layer_k[layer][:, :length].to(self.dtype)
             self.prefix_v[layer][group, :, :length] = layer_v[layer][:, :length].to(self.dtype)
         self.prompt_len[group] = length
+
+
+class CompactedPool:
+    """A pool's live samples as groups of one (n = 1) in its first `num_groups` slots, in place: sample b's prompt
+    K/V copied to group slot b and its own K/V to sample slot b (`move`). Decode steps over it run `num_groups` rows
+    instead of the pool's every slot, through the same attributes the attention kernels read of a pool; rows past
+    the live samples are dead (no prompt, never read). It takes the pool's storage as it is when moved (a pool
+    released and reserved again is moved anew)."""
+
+    n = 1
+
+    def __init__(self, pool: GroupKVPool):
+        self.pool = pool
+        self.num_groups = pool.num_groups  # one compiled shape per pool: as many rows as the pool has groups
+        self.max_prompt, self.max_new, self.num_layers = pool.max_prompt, pool.max_new, pool.num_layers
+        self.num_kv_heads, self.head_dim, self.dtype, self.device = (pool.num_kv_heads, pool.head_dim, pool.dtype,
+                                                                      pool.device)
+        self.prompt_split_kv = prompt_split_kv(self.num_groups, self.num_kv_heads, self.device)
+        self.prompt_len = torch.zeros(self.num_groups, dtype=torch.long, device=self.device)
+        self.prefix_k = self.prefix_v = self.suffix_k = self.suffix_v = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_groups
+
+    def move(self, slots: Sequence[int]) -> None:
+        """Move the pool's sample `slots` (at most num_groups of them) to rows 0.. of this view, in that order."""
+        pool, rows = self.pool, len(slots)
+        if rows > self.num_groups:
+            raise ValueError(f"{rows} samples do not fit a compacted pool of {self.num_groups} rows")
+        src = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        groups = torch.div(src, pool.n, rounding_mode="floor")
+        for layer in range(pool.num_layers):  # each gather is copied out before it is written back
+            for store, index in ((pool.prefix_k, groups), (pool.prefix_v, groups), (pool.suffix_k, src),
+                                 (pool.suffix_v, src)):
+                store[layer][:rows] = store[layer][index]
+        self.prompt_len.zero_()
+        self.prompt_len[:rows] = pool.prompt_len[groups]
+        view = lambda store: [t[:self.num_groups] for t in store]
+        self.prefix_k, self.prefix_v = view(pool.prefix_k), view(pool.prefix_v)
+        self.suffix_k, self.suffix_v = view(pool.suffix_k), view(pool.suffix_v)
 
 
 DECODE_KERNELS = ("matmul", "flex")
