@@ -449,3 +449,11 @@ def test_a_config_with_data_file_patterns_saves_and_loads_again(tmp_path):
     cfg = load_config([f"--data.train_files=[\"{tmp_path}/train-*.parquet\"]", "--data.eval_files=[\"e.jsonl\"]"])
     again = load_file(str(cfg.save(tmp_path / "saved.toml")))
     assert again.data.train_files == [f"{tmp_path}/train-*.parquet"] and Path(again.data.eval_files[0]).is_absolute()
+
+
+def test_compact_decode_with_the_sglang_backend_fails_at_load_naming_both_keys():
+    """rollout.compact_decode is the native engine's; with SGLang it would be ignored silently."""
+    with pytest.raises(ConfigError, match=r"rollout\.compact_decode.*rollout\.backend"):
+        load_file(str(REPO / "train_configs" / "debug.toml"), "--rollout.compact_decode=true",
+                  "--rollout.backend=sglang")
+    assert load_file(str(REPO / "train_configs" / "debug.toml"), "--rollout.compact_decode=true").rollout.compact_decode

@@ -430,6 +430,8 @@ _CHECKS = [
     ("rollout.sglang_timeout_s", lambda c: c.rollout.sglang_timeout_s > 0, "must be > 0"),
     ("rollout.sglang_mem_fraction", lambda c: 0 < c.rollout.sglang_mem_fraction < 1, "must be in (0, 1)"),
     ("rollout.sglang_bucket_mib", lambda c: c.rollout.sglang_bucket_mib >= 1, "must be >= 1"),
+    ("rollout.compact_decode", lambda c: not c.rollout.compact_decode or c.rollout.backend == "native",
+     "needs rollout.backend = \"native\" (SGLang schedules its own batches)"),
     ("algorithm.clip_low", lambda c: 0 <= c.algorithm.clip_low < 1, "must be in [0, 1)"),
     ("algorithm.clip_high", lambda c: c.algorithm.clip_high >= 0, "must be >= 0"),
     ("algorithm.micro_batch_size", lambda c: c.algorithm.micro_batch_size >= 1, "must be >= 1"),
