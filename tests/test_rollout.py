@@ -230,12 +230,12 @@ def test_decode_step_is_reused_across_seeds_and_pool_release(setup):
     _, model, prompts, eos = setup
     engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20)
     engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=3, seed=1))
-    compiled = engine._compiled_step
+    compiled = engine._steps["pool"].compiled
     engine.release()
     engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=3, seed=2))
-    assert engine._compiled_step is compiled
+    assert engine._steps["pool"].compiled is compiled
     engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=3, seed=2, temperature=0.5))
-    assert engine._compiled_step is not compiled  # other sampling: another step
+    assert engine._steps["pool"].compiled is not compiled  # other sampling: another step
 
 
 def test_on_samples_finished_reports_every_sample_once_as_it_finishes(setup):

@@ -110,12 +110,13 @@ class RolloutEngine:
         # compile_options: inductor options of the decode step's torch.compile, e.g. {"max_autotune_gemm": True}
         # (inductor benchmarks Triton GEMM templates against cuBLAS per shape: minutes more compilation).
         self.compile_options = compile_options
-        self._steps = {"pool": _DecodeStep(), "compacted": _DecodeStep()}  # the decode step per layout
+        # the decode step per layout, by the engine attribute it reads: the pool, or its compacted rows
+        self._steps = {"pool": _DecodeStep(), "_compacted": _DecodeStep()}
         self._compiled_shapes: set = set()  # (sampling params, pool geometry) compiled so far, for the log
         # compact_decode: once no prompt waits and the live samples fit one per group slot, they move to the pool's
         # first rows as groups of one (kv_pool.CompactedPool) and decode on with a step over those rows alone; the
-        # full-pool step ran every slot to the longest response's end. One more compiled step (and, on CUDA, one
-        # more capture per rollout) per pool geometry. Off by default: not yet measured on a GPU.
+        # full-pool step ran every slot to the longest response's end. One more compiled step per pool geometry
+        # (and, on CUDA, one more capture per pool storage). Off by default: not yet measured on a GPU.
         self.compact_decode = compact_decode
         self._compacted: CompactedPool | None = None
         self.prefill_tokens = prefill_tokens
@@ -141,10 +142,6 @@ class RolloutEngine:
         # time_prefill (CUDA): synchronize around each prefill so stats.prefill_s is its device time, not the time
         # to enqueue it (benchmarks computing prefill MFU turn it on; it costs a sync per admission)
         self.time_prefill = False
-
-    @property
-    def _compiled_step(self):
-        return self._steps["pool"].compiled
 
     def _count_capture(self, seconds: float, captured: CapturedStep) -> None:
         self.stats.captures += 1
@@ -218,8 +215,6 @@ class RolloutEngine:
         hidden = model.decode(h, positions.view(1, -1, 1).expand(3, -1, 1), attn, fused_qkv=self.fused_qkv)
         return sample(model.logits(hidden[:, 0]), params, seeds, steps)
 
-    _LAYOUTS = {"pool": "pool", "compacted": "_compacted"}  # a decode step's layout -> the attribute it reads
-
     def _step(self, params: SamplingParams, layout: str = "pool"):
         """The decode step for these sampling params over `layout`'s rows (the pool's every slot, or its compacted
         live samples): eager, compiled, and (CUDA) replayed from one captured graph.
@@ -228,16 +223,16 @@ class RolloutEngine:
         # The seed reaches the step as per-sample tensors, so a new seed per GRPO step reuses the compiled step; the
         # compiled function outlives pool release/reserve (same shapes), only the CUDA graph is captured again. It
         # reads the layout through the engine's attribute, as a pool rebuilt at another size is read.
-        st, attr = self._steps[layout], self._LAYOUTS[layout]
+        st = self._steps[layout]
         key = dataclasses.replace(params, seed=0)
         if st.params != key:
             st.params = key  # one object per distinct params: what the compiled step's guards see
-            fn = lambda *state: self._decode_step(key, getattr(self, attr), *state)
+            fn = lambda *state: self._decode_step(key, getattr(self, layout), *state)
             st.compiled = (torch.compile(fn, dynamic=False, options=self.compile_options) if self.use_compile
                            else fn)
             st.fn = None
         if st.fn is None:
-            pool = getattr(self, attr)
+            pool = getattr(self, layout)
             shape = (repr(key), layout, pool.num_groups, pool.n, pool.max_prompt, pool.max_new)
             if self.use_compile and shape not in self._compiled_shapes:  # later steps and rollouts replay
                 self._compiled_shapes.add(shape)
@@ -365,9 +360,9 @@ class RolloutEngine:
         def compact(slot_active: list[bool]) -> bool:
             """Move the live samples to the compacted rows, if they fit one per group slot and none waits."""
             nonlocal last_token, gen_count, start_pos, seeds, active, out_tokens, out_logprobs, rows
-            live = [s for s in range(slots) if slot_active[s]]
-            if not self.compact_decode or waiting or n == 1 or not 0 < len(live) <= pool.num_groups:
+            if not self.compact_decode or waiting or n == 1 or not 0 < sum(slot_active) <= pool.num_groups:
                 return False
+            live = [s for s in range(slots) if slot_active[s]]
             counts = gen_count.tolist()
             for g, i in owner.items():  # the finished samples of groups still decoding leave their slots now
                 for s in range(g * n, (g + 1) * n):
@@ -376,8 +371,7 @@ class RolloutEngine:
             sample_of[:] = [(owner[s // n], s % n) for s in live]
             if self._compacted is None:
                 self._compacted = CompactedPool(pool)
-            self._compacted.move(live)
-            self._steps["compacted"].fn = None  # the moved rows' views: captured again
+            self._compacted.move(live)  # the same storage as the pool's: a captured step stays valid (_new_storage)
             index = torch.tensor(live, device=dev)
             rows_n = self._compacted.num_slots
 
@@ -440,7 +434,7 @@ class RolloutEngine:
                     slot_active = collect_finished()
                     if owner and compact(slot_active):
                         compacted = True
-                        step_fn = self._step(params, "compacted")
+                        step_fn = self._step(params, "_compacted")
                     elif waiting and pool.free_groups:
                         self.stats.decode_s += time.perf_counter() - t_decode
                         with self._on_caller_stream():  # prefill writes the pool the decode stream reads
