@@ -10,14 +10,16 @@
 #                                                          # CAP_GIB (132.5): what is live where a step peaks above it
 #   run(command="bash benchmarks/scale_gpu.sh vid-4")      # vid P = 4, overlapped + decomposed + serial (~360 s)
 #   run(command="bash benchmarks/scale_gpu.sh vid-16")     # vid P = 16, overlapped + decomposed (~350 s)
+#   run(command="bash benchmarks/scale_gpu.sh vid-16-pair") # vid-16 with two warm-up steps each (~400 s estimated)
 #   run(command="bash benchmarks/scale_gpu.sh img-32")     # img P = 32, every mode, unbatched too (~490 s)
 #   run(command="bash benchmarks/scale_gpu.sh img-32-pair") # img P = 32, overlapped + decomposed, two warm-up
 #                                                          # steps each (~250 s)
-#   run(command="bash benchmarks/scale_gpu.sh compact-32") # img-32-pair with --compact-decode (~310 s estimated:
-#                                                          # one more decode compile); compare with img-32-pair
-#   run(command="bash benchmarks/scale_gpu.sh compact-64") # img-64 with --compact-decode (~470 s estimated)
-#   run(command="bash benchmarks/scale_gpu.sh serial-64")  # img P = 64, serial alone (~420 s estimated: ~165 s a step)
-#   run(command="bash benchmarks/scale_gpu.sh serial-vid-16") # vid P = 16, serial alone (~400 s estimated)
+#   run(command="bash benchmarks/scale_gpu.sh compact-32") # img-32-pair with --compact-decode (~320 s measured, the
+#                                                          # first warm-up ~166 s); compare with img-32-pair
+#   run(command="bash benchmarks/scale_gpu.sh compact-64") # img-64 with --compact-decode (~500 s estimated)
+#   run(command="bash benchmarks/scale_gpu.sh compact-vid-16") # vid-16 with --compact-decode (~360 s estimated)
+#   run(command="bash benchmarks/scale_gpu.sh serial-64")  # img P = 64, serial alone (~430 s measured: ~165 s a step)
+#   run(command="bash benchmarks/scale_gpu.sh serial-vid-16") # vid P = 16, serial alone (~360 s measured)
 #   run(command="bash benchmarks/scale_gpu.sh profile-32") # img P = 32 overlapped + decomposed, each profiled (~450 s)
 #   run(command="bash benchmarks/scale_gpu.sh profile-64") # img P = 64 decomposed, profiled (~430 s)
 #   run(command="bash benchmarks/scale_gpu.sh host-64")    # img P = 64 decomposed, training micro-batches 20-23 with
@@ -49,10 +51,12 @@ case "${1:-}" in
   sites-64) scale img-64-sites img 64 decomposed --warmup modes --oom-sites --memory-cap-gib "${CAP_GIB:-132.5}" ;;
   vid-4) scale vid-4 vid 4 overlapped,decomposed,serial --warmup modes ;;
   vid-16) scale vid-16 vid 16 overlapped,decomposed --warmup modes ;;
+  vid-16-pair) scale vid-16-pair vid 16 overlapped,decomposed --warmup modes --warm-up-steps 2 ;;
   img-32) scale img-32 img 32 overlapped,decomposed,serial,decomposed-unbatched --warmup modes ;;
   img-32-pair) scale img-32-pair img 32 overlapped,decomposed --warmup modes --warm-up-steps 2 ;;
   compact-32) scale img-32-compact img 32 overlapped,decomposed --warmup modes --warm-up-steps 2 --compact-decode ;;
   compact-64) scale img-64-compact img 64 overlapped,decomposed --warmup modes --warm-up-steps 2 --compact-decode ;;
+  compact-vid-16) scale vid-16-compact vid 16 overlapped,decomposed --warmup modes --compact-decode ;;
   serial-64) scale img-64-serial img 64 serial --warmup modes ;;
   serial-vid-16) scale vid-16-serial vid 16 serial --warmup modes ;;
   profile-32) scale profile-32 img 32 overlapped,decomposed --warmup modes --profile 32:overlapped,decomposed ;;
@@ -62,6 +66,6 @@ case "${1:-}" in
     ${DRY:+echo} timeout -k 10 300 python benchmarks/decode_bench.py --geometry 7B --batch 64 --group 1 --context 2048 --steps 64 \
       --watchdog-s 290 --out "$OUT/decode-$stamp-b64.json" 2>&1 | tee "$OUT/decode-$stamp.log" ;;
   *)
-    echo "usage: $0 img-8-64 | img-8 | img-64 | sites-64 | vid-4 | vid-16 | img-32 | img-32-pair | profile-32 |" \
-      "compact-32 | compact-64 | serial-64 | serial-vid-16 | profile-64 | host-64 | decode" >&2; exit 2 ;;
+    echo "usage: $0 img-8-64 | img-8 | img-64 | sites-64 | vid-4 | vid-16 | vid-16-pair | img-32 | img-32-pair | profile-32 |" \
+      "compact-32 | compact-64 | compact-vid-16 | serial-64 | serial-vid-16 | profile-64 | host-64 | decode" >&2; exit 2 ;;
 esac

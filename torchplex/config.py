@@ -109,7 +109,8 @@ class RolloutConfig:
     kv_pool_gib: float = 1.0  # 0 = sized each step from the memory budget (memory.budget_gib): all groups if they fit
     max_batch: int = 256  # sequences decoded concurrently
     # native backend: once no prompt waits and the live samples fit one per group slot, decode them alone (as groups
-    # of one in the pool's first rows) instead of every slot to the longest response's end; not yet measured on a GPU
+    # of one in the pool's first rows) instead of every slot to the longest response's end. H200, 7B (docs/benchmarks.md,
+    # 2026-12-04): the step -10 % at img P = 32, within the noise at img P = 64 and vid P = 16, so off by default
     compact_decode: bool = False
     # backend "sglang" (rollout/sglang_backend/): a rollout SGLang does not answer within this fails the step
     sglang_timeout_s: float = 600.0

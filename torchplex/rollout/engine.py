@@ -191,6 +191,8 @@ class RolloutEngine:
         """Give the KV pool's memory back (between rollouts); the next `generate` takes it again."""
         if self.pool is not None:
             self.pool.release()
+        if self._compacted is not None:
+            self._compacted.release()  # its views would keep the released storage alive
 
     def resume(self) -> None:
         """Nothing to take back ahead of time: `generate` reserves the pool it needs (`_pool_for`)."""

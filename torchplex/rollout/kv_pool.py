@@ -117,6 +117,12 @@ class CompactedPool:
     def num_slots(self) -> int:
         return self.num_groups
 
+    def release(self) -> None:
+        """Drop the views of the pool's tensors with the pool's own release: views keep their storage alive, and a
+        view held past the pool's release kept a second whole pool resident beside the next rollout's (H200, 7B, img
+        P = 32: +16.2 GiB at the rollout's peak, 2026-12-04). The next `move` takes the views again."""
+        self.prefix_k = self.prefix_v = self.suffix_k = self.suffix_v = None
+
     def move(self, slots: Sequence[int]) -> None:
         """Move the pool's sample `slots` (at most num_groups of them) to rows 0.. of this view, in that order."""
         pool, rows = self.pool, len(slots)
