@@ -1,6 +1,8 @@
 """Does a memory-bound decode beside a compute-bound prefix forward overlap when the two run on disjoint SM
 partitions? (issue 18: the 1.15x overlapped-vs-decomposed target needs ~3.4 s of training-side work hidden beside the
-decode at img P = 32.)
+decode at img P = 32. `benchmarks/mode_ceiling.py` since bounds what hiding can give: the step's prefix forwards are
+2.7-3.3 s there, so even all of them hidden stays under 1.15x; this probe says how much of that, or of vid's larger
+prefix work, a partition could hide.)
 
 `../shared/probes/FINDINGS.md` measured streams and `torch.cuda.GreenContext.create` twice: the two contexts took the
 same SMs and ran in turns. Here one `cuDevSmResourceSplitByCount` call (cuda-bindings' driver API) cuts the device into
@@ -16,7 +18,7 @@ time of the same work one after the other on the whole GPU over the time side by
     run(command="CUBLAS_WORKSPACE_CONFIG=:0:0 timeout -k 5 200 python benchmarks/probes/sm_partition_probe.py \
         --watchdog-s 190 --out $OUT/sm-partition.json")
 
-Not yet run on a GPU: written 2026-12-04, when no device was lent. A failed partition stays a row with its error.
+Not yet run on a GPU: written 2026-12-04; no device was lent then or on 2026-12-05. A failed partition stays a row with its error.
 """
 from __future__ import annotations
 
