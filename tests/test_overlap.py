@@ -125,8 +125,9 @@ def test_overlapped_step_equals_decomposed_step(setup, frozen, ppo_epochs):
     assert rel(ovl.train.stats.loss, dec.train.stats.loss) < RTOL
     for (name, a), b in zip(ovl_actor.named_parameters(), dec_actor.parameters()):
         assert rel(a, b) < RTOL, name
-    # the window really ran the reference prefixes during decode and the fused prefixes were all consumed
-    assert [s.lane for s in ovl.timeline.spans if s.name == "ref_prefix"] == ["window"] * len(setup[1])
+    # the window really ran the reference prefixes during decode (the three prompts in one batched job) and the
+    # fused prefixes were all consumed
+    assert [s.lane for s in ovl.timeline.spans if s.name == "ref_prefix"] == ["window"]
     assert len(runner.scorer.store) == 0
     # 3 reference and 3 first-epoch training micro-batches (one group each) took held prefixes instead of computing
     assert runner.scorer.store.served == 6
@@ -190,15 +191,80 @@ def test_reference_scored_in_the_window_equals_decomposed(setup, threaded, sampl
     for (name, a), b in zip(ovl_actor.named_parameters(), dec_actor.parameters()):
         assert rel(a, b) < RTOL, name
     window = [s.name for s in ovl.timeline.spans if s.lane == "window"]
-    assert window.count("ref_prefix") == 3
+    jobs = ovl.window_jobs
+    # what ran in the window and what decode's end left to the ref stage (threaded: jobs not begun are dropped)
+    for kind in ("ref_prefix", "ref_suffix"):
+        assert window.count(kind) + jobs.dropped[kind] == jobs.submitted[kind], kind
+    assert jobs.submitted["ref_prefix"] == 1  # the three prompts' prefixes in one batched job as decode begins
     if sample_batch == 4:  # a whole group: one job per prompt
-        assert window.count("ref_suffix") == 3
+        assert jobs.submitted["ref_suffix"] == 3
     else:  # samples of one group finished at different checks: scored in parts, at most 4 // batch + 1 per prompt
-        assert 3 < window.count("ref_suffix") <= 3 * (4 // (sample_batch or 2) + 1)
+        assert 3 < jobs.submitted["ref_suffix"] <= 3 * (4 // (sample_batch or 2) + 1)
+    if not threaded:  # on the caller's thread a job runs when it is submitted: nothing waits at the end
+        assert sum(jobs.dropped.values()) == 0
     rollout = next(s for s in ovl.timeline.spans if s.name == "rollout")
     assert all(rollout.start_s <= s.start_s <= rollout.end_s for s in ovl.timeline.spans if s.lane == "window")
     assert runner.window.jobs_run == len(window)
-    assert len(runner.scorer.store) == 0 and runner.scorer.store.served == 3  # only training took held prefixes
+    # training took the three fused prefixes; the ref stage a held one for each prompt the window left unscored
+    left = sum(any(i * 4 + j not in jobs.scored for j in range(4)) for i in range(3))
+    assert left == 0 or threaded
+    assert len(runner.scorer.store) == 0 and runner.scorer.store.served == 3 + left
+
+
+@pytest.mark.parametrize("prefix_prompts", [4, 1])
+def test_window_jobs_left_when_decode_ends_are_scored_by_the_ref_stage_as_in_decomposed(setup, monkeypatch,
+                                                                                       prefix_prompts):
+    """Decode's end drops the window jobs not begun (DecodeWindowJobs.finish): the ref stage holds the prefixes they
+    would have held, batched, and scores their samples. Here the window's first job runs until decode has ended, so
+    every later one is dropped; the step still equals the decomposed one. prefix_prompts 4: the first job held
+    every prompt's reference prefix; 1: it held the first prompt's, and the ref stage holds the other two."""
+    import threading
+
+    from torchplex.runtime import overlap
+    from torchplex.runtime.overlap import DecodeWindowJobs
+
+    monkeypatch.setattr(overlap, "WINDOW_PREFIX_PROMPTS", prefix_prompts)
+    ref_holds = []
+    hold_prefixes = overlap.hold_prefixes
+    monkeypatch.setattr("torchplex.runtime.executor.hold_prefixes", lambda scorer, model, prompts, store: (
+        ref_holds.append(sum(not store.has(model, p) for p in prompts)), hold_prefixes(scorer, model, prompts, store)))
+
+    gate = threading.Event()
+    hold = DecodeWindowJobs._hold_prefixes
+    first = []
+
+    def slow_hold(self, prompts):
+        if not first:
+            first.append(prompts)
+            gate.wait(30)
+        hold(self, prompts)
+
+    finish = DecodeWindowJobs.finish
+
+    def finish_then_open(self):
+        threading.Timer(0.3, gate.set).start()  # the queue is emptied first; then the running job may end
+        finish(self)
+
+    monkeypatch.setattr(DecodeWindowJobs, "_hold_prefixes", slow_hold)
+    monkeypatch.setattr(DecodeWindowJobs, "finish", finish_then_open)
+    stops = long_tail_stops(setup)
+    dec, dec_actor, _ = run(setup, "decomposed", True, stops=stops, max_new=12)
+    assert ref_holds == [3]  # decomposed's ref stage holds every prefix
+    ref_holds.clear()
+    ovl, ovl_actor, runner = run(setup, "overlapped", True, suffix_window=True, threaded=True, stops=stops,
+                                 max_new=12, sample_batch=1)
+    jobs = ovl.window_jobs
+    assert jobs.dropped["ref_suffix"] == jobs.submitted["ref_suffix"] > 0 and not jobs.scored
+    assert jobs.dropped["ref_prefix"] == (0 if prefix_prompts == 4 else 2)
+    assert ref_holds == [3 - (3 if prefix_prompts == 4 else 1)]  # the ref stage's one batched hold: what was left
+    mask = dec.experience.mask
+    assert rel(ovl.experience.ref_logprobs[mask], dec.experience.ref_logprobs[mask]) < RTOL
+    assert rel(ovl.train.stats.loss, dec.train.stats.loss) < RTOL
+    for (name, a), b in zip(ovl_actor.named_parameters(), dec_actor.parameters()):
+        assert rel(a, b) < RTOL, name
+    # the ref stage took a held prefix for each of the three prompts' reference micro-batches (the window's one
+    # batched job held them), as training took the three fused ones
+    assert runner.scorer.store.served == 6 and len(runner.scorer.store) == 0
 
 
 def test_timeline_exports(setup, tmp_path):

@@ -41,6 +41,34 @@ def test_a_failed_job_raises_at_finish_and_skips_the_rest(threaded):
     assert ran == [1, 4]
 
 
+def test_finish_can_drop_the_jobs_not_begun_and_waits_for_the_running_one():
+    """Once decode has ended the jobs still queued are handed back, in order, not run (the ref stage does their
+    work); the job running then completes."""
+    worker = WindowWorker(torch.device("cpu"), threaded=True)
+    started, gate, ran = threading.Event(), threading.Event(), []
+    worker.submit(lambda: (started.set(), gate.wait(10), ran.append(0)))
+    later = [lambda i=i: ran.append(i) for i in range(1, 4)]
+    for job in later:
+        worker.submit(job)
+    assert started.wait(10)
+    threading.Timer(0.2, gate.set).start()  # after finish has emptied the queue, the running job may end
+    dropped = worker.finish(drop_waiting=True)
+    assert dropped == later and ran == [0] and worker.jobs_run == 1
+    worker.submit(lambda: ran.append(9))  # the worker serves the next step
+    worker.finish()
+    worker.close()
+    assert ran == [0, 9]
+
+
+def test_finish_without_dropping_runs_every_job():
+    worker = WindowWorker(torch.device("cpu"), threaded=True)
+    ran = []
+    for i in range(5):
+        worker.submit(lambda i=i: ran.append(i))
+    assert worker.finish() == [] and ran == list(range(5))
+    worker.close()
+
+
 def test_request_from_outputs_equals_the_experience_request():
     group = 3
     token_ids = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14], [15], [16, 17]]

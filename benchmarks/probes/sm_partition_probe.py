@@ -59,7 +59,10 @@ def check(result):
 
 def partitions(sms: int):
     """(streams, SM counts): a group of at least `sms` SMs and the remainder, disjoint."""
-    from cuda.bindings import driver
+    try:
+        from cuda.bindings import driver
+    except ImportError:  # cuda-python before 12.6 named the module cuda.cuda
+        from cuda import cuda as driver
 
     dev = check(driver.cuDeviceGet(torch.cuda.current_device()))
     whole = check(driver.cuDeviceGetDevResource(dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
@@ -97,7 +100,7 @@ def repeat(fn, stream, n: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=64, help="decode rows (live samples)")
+    ap.add_argument("--batches", default="32,64,256", help="decode rows (live samples), one set of runs each")
     ap.add_argument("--tokens", type=int, default=4096, help="prefix rows per chunk")
     ap.add_argument("--sms", default="16,32,48,66", help="SMs of the prefix's partition, one run each")
     ap.add_argument("--decode-s", type=float, default=0.4, help="decode time per measurement on the whole GPU")
@@ -106,59 +109,79 @@ def main() -> None:
     args = ap.parse_args()
     faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
     actor, ref = layer_weights(args.layers, 0), layer_weights(args.layers, 1)
-    xd = torch.randn(args.batch, HIDDEN, device="cuda", dtype=torch.bfloat16)
     xp = torch.randn(args.tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    decode, prefix = (lambda: forward(xd, actor)), (lambda: forward(xp, ref))
+    prefix = lambda: forward(xp, ref)
     main_stream = torch.cuda.Stream()
-    for fn in (decode, prefix):  # cuBLAS handles and heuristics picked before timing
-        timed(repeat(fn, main_stream, 3), [main_stream])
-    t_dec = timed(repeat(decode, main_stream, 50), [main_stream]) / 50
+    timed(repeat(prefix, main_stream, 3), [main_stream])
     t_pre = timed(repeat(prefix, main_stream, 10), [main_stream]) / 10
-    steps = max(1, int(args.decode_s / t_dec))
     weight_bytes = sum(w.numel() * w.element_size() for layer in actor for w in layer)
     flops = 2 * args.tokens * weight_bytes / 2
     rows = []
     head = dict(topic="probe", probe="sm_partition", command="python " + " ".join(sys.argv),
                 device=torch.cuda.get_device_name(), gpus=1, torch=torch.__version__,
-                date=time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), layers=args.layers, batch=args.batch,
-                tokens=args.tokens, decode_ms=round(t_dec * 1e3, 3), prefix_ms=round(t_pre * 1e3, 2),
-                decode_hbm_tb_s=round(weight_bytes / t_dec / 1e12, 2), prefix_tflops=round(flops / t_pre / 1e12, 1),
-                decode_steps=steps, cublas_workspace=os.environ.get("CUBLAS_WORKSPACE_CONFIG"), rows=rows)
+                date=time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), layers=args.layers,
+                tokens=args.tokens, prefix_ms=round(t_pre * 1e3, 2),
+                prefix_tflops=round(flops / t_pre / 1e12, 1),
+                cublas_workspace=os.environ.get("CUBLAS_WORKSPACE_CONFIG"), rows=rows)
     print(json.dumps({k: v for k, v in head.items() if k != "rows"}), flush=True)
 
     def dump():
         with open(args.out, "w") as f:
             json.dump(head, f, indent=1)
 
+    cuts = {}
     for n in (int(s) for s in args.sms.split(",")):
-        row = dict(prefix_sms_asked=n, ok=False, error="")
-        rows.append(row)
         try:
-            (s_pre, s_dec), (n_pre, n_dec), total = partitions(n)
-            row.update(prefix_sms=n_pre, decode_sms=n_dec, device_sms=total)
-            for s, fn in ((s_pre, prefix), (s_dec, decode)):
-                timed(repeat(fn, s, 2), [s])
-            d_alone = timed(repeat(decode, s_dec, steps), [s_dec])
-            p_one = timed(repeat(prefix, s_pre, 2), [s_pre]) / 2
-            chunks = max(1, round(d_alone / p_one))  # prefix work that fills the decode's time on its partition
-            p_alone = timed(repeat(prefix, s_pre, chunks), [s_pre])
+            cuts[n] = partitions(n)
+        except Exception as e:  # a split that failed stays a row with its error
+            rows.append(dict(prefix_sms_asked=n, ok=False, error=f"split: {type(e).__name__}: {e}"))
+    for batch in (int(b) for b in args.batches.split(",")):
+        xd = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        decode = lambda: forward(xd, actor)
+        timed(repeat(decode, main_stream, 3), [main_stream])
+        t_dec = timed(repeat(decode, main_stream, 50), [main_stream]) / 50
+        steps = max(1, int(args.decode_s / t_dec))
+        base = dict(batch=batch, decode_ms=round(t_dec * 1e3, 3),
+                    decode_hbm_tb_s=round(weight_bytes / t_dec / 1e12, 2), decode_steps=steps)
+        print(json.dumps(base), flush=True)
+        for n, ((s_pre, s_dec), (n_pre, n_dec), total) in cuts.items():
+            for graphed in (False, True):
+                row = dict(base, prefix_sms_asked=n, prefix_sms=n_pre, decode_sms=n_dec, device_sms=total,
+                           decode_graph=graphed, ok=False, error="")
+                rows.append(row)
+                try:
+                    step = decode
+                    if graphed:  # one decode step captured on the decode partition's stream (the SM limit holds)
+                        timed(repeat(decode, s_dec, 2), [s_dec])
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, stream=s_dec):
+                            forward(xd, actor)
+                        step = graph.replay
+                    for s, fn in ((s_pre, prefix), (s_dec, step)):
+                        timed(repeat(fn, s, 2), [s])
+                    d_alone = timed(repeat(step, s_dec, steps), [s_dec])
+                    p_one = timed(repeat(prefix, s_pre, 2), [s_pre]) / 2
+                    chunks = max(1, round(d_alone / p_one))  # prefix work that fills the decode's time
+                    p_alone = timed(repeat(prefix, s_pre, chunks), [s_pre])
 
-            def both():
-                repeat(prefix, s_pre, chunks)()
-                repeat(decode, s_dec, steps)()
+                    def both():
+                        repeat(prefix, s_pre, chunks)()
+                        repeat(step, s_dec, steps)()
 
-            t_both = min(timed(both, [s_pre, s_dec]) for _ in range(2))
-            serial_whole = steps * t_dec + chunks * t_pre
-            row.update(ok=True, chunks=chunks, decode_alone_s=round(d_alone, 4), prefix_alone_s=round(p_alone, 4),
-                       together_s=round(t_both, 4), serial_whole_gpu_s=round(serial_whole, 4),
-                       decode_slowdown=round(d_alone / (steps * t_dec), 3),
-                       prefix_slowdown=round(p_alone / (chunks * t_pre), 3),
-                       speedup=round(serial_whole / t_both, 3),
-                       ideal=round(serial_whole / max(d_alone, p_alone), 3))
-        except Exception as e:  # a row that failed stays, with its error
-            row["error"] = f"{type(e).__name__}: {e}"
-        print(json.dumps(row), flush=True)
-        dump()
+                    t_both = min(timed(both, [s_pre, s_dec]) for _ in range(2))
+                    serial_whole = steps * t_dec + chunks * t_pre
+                    row.update(ok=True, chunks=chunks, decode_alone_s=round(d_alone, 4),
+                               prefix_alone_s=round(p_alone, 4), together_s=round(t_both, 4),
+                               serial_whole_gpu_s=round(serial_whole, 4),
+                               decode_slowdown=round(d_alone / (steps * t_dec), 3),
+                               prefix_slowdown=round(p_alone / (chunks * t_pre), 3),
+                               decode_slowdown_together=round(t_both / (steps * t_dec), 3),
+                               speedup=round(serial_whole / t_both, 3),
+                               ideal=round(serial_whole / max(d_alone, p_alone), 3))
+                except Exception as e:  # a row that failed stays, with its error
+                    row["error"] = f"{type(e).__name__}: {e}"
+                print(json.dumps(row), flush=True)
+                dump()
     dump()
 
 

@@ -78,6 +78,7 @@ class StepOutput:
     schedule: Schedule
     timeline: Timeline
     prefixes: PrefixStore | None = None  # the step's held prefixes (emptied at its end; peaks kept)
+    window_jobs: DecodeWindowJobs | None = None  # the decode window's jobs: submitted, scored, dropped at decode's end
 
 
 @dataclass
@@ -137,6 +138,10 @@ class StepRunner:
             self.scorer.prefix_graphs[id(reference)] = PrefixGraphs(reference)
         self.device = next(actor.parameters()).device
         self.window = WindowWorker(self.device)
+        # runtime.window_sms: the decode and the window on disjoint SMs (build.split_for_window): the split, and the
+        # engine's part of it (rollout.engine.SplitDecode)
+        self.sm_partition = None
+        self.split_decode = None
         # what a fused prefill's graph held per prompt token, measured (overlap.SavedBytes); until the first fused
         # step, an estimate (_graph_estimate)
         self._activation_bytes_per_token: float | None = None
@@ -291,7 +296,7 @@ class StepRunner:
         step.prefixes.clear()  # prefixes of groups dynamic sampling dropped: free their graphs
         if self.memory is not None:
             self.memory.close()
-        return StepOutput(step.experience, step.result, schedule, step.timeline, step.prefixes)
+        return StepOutput(step.experience, step.result, schedule, step.timeline, step.prefixes, step.window_jobs)
 
     def _run_stages(self, step: _Step, work: dict, phase_timer) -> None:
         prompts, answers, schedule = step.prompts, step.answers, step.schedule
@@ -333,6 +338,10 @@ class StepRunner:
                                      train_room_bytes=budget.train_room_bytes), self.settings.plan,
                              self.engine.capabilities)
         schedule.memory = budget.to_dict()
+        if self.sm_partition is not None and any(ph.in_window for ph in schedule.phases):
+            schedule.reasons.append(f"the device split for the decode window: {self.sm_partition.describe()} "
+                                    "(runtime.window_sms; while a window job is queued or running, the decode replays a graph captured on its "
+                                    "own SMs)")
         return schedule
 
     def memory_budget(self, shape: StepShape, params: SamplingParams) -> MemoryBudget:

@@ -345,30 +345,39 @@ def rollout_prefill(schedule: Schedule, scorer, actor, store: PrefixStore, promp
     return scorer.rollout_prefill(actor)
 
 
+WINDOW_PREFIX_PROMPTS = 4  # reference prefixes per window job when decode begins: ~4,200 tokens at img, fewer launches
+
+
 class DecodeWindowJobs:
     """The reference work a schedule places in the rollout's decode window, as hooks for the engine.
 
     ref_prefix in the window: once decode has begun (its first step: every prompt's prefill is done), one job per
-    prompt holds its reference prefix. ref_suffix in the window: a job per `sample_batch` finished samples of a
-    prompt, and one for its last ones, scores them on the held prefix (each job is an eager forward whose host cost
-    hardly depends on its size, so fewer, larger jobs leave decode more of the host). `scored` maps a sample to its
-    reference log-probs; what the window did not score, the ref stage does.
+    `prefix_prompts` prompts holds their reference prefixes (one batched forward, as the ref stage's). ref_suffix in
+    the window: a job per `sample_batch` finished samples of a prompt, and one for its last ones, scores them on the
+    held prefix (each job is an eager forward whose host cost hardly depends on its size, so fewer, larger jobs leave
+    decode more of the host). `scored` maps a sample to its reference log-probs; what the window did not score, the
+    ref stage does: when decode ends, the jobs not yet begun are dropped and left to it (`dropped`), as it runs on
+    the whole device, batched, where the window's jobs would run one by one (on the window's SMs, with a split).
     """
 
     def __init__(self, schedule: Schedule, scorer, reference, prompts: list, group_size: int, sample_batch: int,
                  store: PrefixStore, window: WindowWorker, timeline: Timeline, temperature: float,
-                 device: torch.device):
+                 device: torch.device, prefix_prompts: int | None = None):
         in_window = lambda name: schedule.has(name) and schedule.phase(name).in_window
         self.prefix_in_window = in_window(PhaseName.REF_PREFIX) and reference is not None
         self.suffix_in_window = in_window(PhaseName.REF_SUFFIX) and reference is not None
         self.scorer, self.reference, self.prompts = scorer, reference, prompts
         self.group_size, self.sample_batch = group_size, sample_batch
+        self.prefix_prompts = prefix_prompts or WINDOW_PREFIX_PROMPTS
         self.store, self.window, self.timeline = store, window, timeline
         self.temperature, self.device = temperature, device
         self.scored: dict[int, torch.Tensor] = {}
         self._submitted: set[int] = set()  # prompts whose reference prefix job is queued
         self._pending: dict[int, list] = {}
         self._finished = [0] * len(prompts)
+        # jobs by kind (PhaseName.REF_PREFIX / REF_SUFFIX): submitted, and dropped at the end of decode
+        self.submitted = {PhaseName.REF_PREFIX: 0, PhaseName.REF_SUFFIX: 0}
+        self.dropped = {PhaseName.REF_PREFIX: 0, PhaseName.REF_SUFFIX: 0}
 
     @property
     def reads_reference(self) -> bool:
@@ -381,9 +390,11 @@ class DecodeWindowJobs:
                 "on_samples_finished": self._on_samples_finished if self.suffix_in_window else None}
 
     def finish(self) -> None:
-        """After generate: wait for the window (re-raising a job's error), then free the held reference prefixes of
-        prompts whose samples were all scored there."""
-        self.window.finish()
+        """After generate: drop the jobs not begun (the ref stage does their work), wait for the one running
+        (re-raising a job's error), then free the held reference prefixes of prompts whose samples were all scored
+        there."""
+        for job in self.window.finish(drop_waiting=True):
+            self.dropped[job.kind] += 1
         for i, prompt in enumerate(self.prompts):
             if all(i * self.group_size + j in self.scored for j in range(self.group_size)):
                 self.store.discard(self.reference, prompt)
@@ -391,7 +402,7 @@ class DecodeWindowJobs:
     # ---- hooks, called on the decode thread ----------------------------------------------------------------
     def _on_step(self, info) -> None:
         if info.step == 1:  # decode has begun: the prompts' prefills are done
-            for i in range(len(self.prompts)):
+            for i in range(0, len(self.prompts), self.prefix_prompts):
                 self._prefix_job(i)
 
     def _on_samples_finished(self, outputs) -> None:
@@ -402,17 +413,25 @@ class DecodeWindowJobs:
             if len(self._pending[i]) >= self.sample_batch or self._finished[i] == self.group_size:
                 outs = self._pending.pop(i)
                 self._prefix_job(i)  # queued before its samples' job: the window runs jobs in order
-                self.window.submit(lambda i=i, outs=outs: self._score_samples(i, outs))
+                self._submit(PhaseName.REF_SUFFIX, lambda i=i, outs=outs: self._score_samples(i, outs))
 
     def _prefix_job(self, i: int) -> None:
-        if i not in self._submitted:
-            self._submitted.add(i)
-            self.window.submit(lambda p=self.prompts[i]: self._hold_prefix(p))
+        """Queue the reference prefixes of prompt i's batch (prompts i // prefix_prompts), unless queued before."""
+        first = i - i % self.prefix_prompts
+        todo = [k for k in range(first, min(first + self.prefix_prompts, len(self.prompts))) if k not in self._submitted]
+        if todo:
+            self._submitted.update(todo)
+            self._submit(PhaseName.REF_PREFIX, lambda ps=[self.prompts[i] for i in todo]: self._hold_prefixes(ps))
+
+    def _submit(self, kind: PhaseName, fn: Callable[[], None]) -> None:
+        fn.kind = kind
+        self.submitted[kind] += 1
+        self.window.submit(fn)
 
     # ---- jobs, run by the window (its thread and side stream) ----------------------------------------------
-    def _hold_prefix(self, prompt) -> None:
+    def _hold_prefixes(self, prompts: list) -> None:
         with self.timeline.span(PhaseName.REF_PREFIX, lane="window"):
-            hold_prefixes(self.scorer, self.reference, [prompt], self.store)
+            hold_prefixes(self.scorer, self.reference, prompts, self.store)
 
     def _score_samples(self, i: int, outputs) -> None:
         """Reference log-probs of samples of prompt i that just finished, on its prefix held in the store (kept

@@ -130,7 +130,9 @@ class Schedule:
     # decomposed with batched_actor_prefix: how each prompt's actor prefix is held within the train stage
     train_prefix_forms: list[PrefixChoice] = field(default_factory=list)
     memory: dict = field(default_factory=dict)  # the budget it was planned from (MemoryBudget.to_dict), if any
-    ref_prefix_batched: bool = False  # the ref stage first runs every reference prefix batched (batched_ref_prefix)
+    # the ref stage first runs, batched, the reference prefixes it needs (every one; with the window, those of the
+    # prompts the window left): batched_ref_prefix
+    ref_prefix_batched: bool = False
 
     def fused_prompts(self) -> list[int]:
         """Prompts whose actor prefix the rollout prefill keeps for training (whole graph or compact)."""
@@ -278,6 +280,8 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
                                   holds_bytes=ref_kv, tokens=P))
             s.reasons.append("reference prefix K/V computed in the rollout decode window (second host thread, side "
                              "stream): its host-bound launches run beside the decode loop's")
+            # what the window left (jobs not begun when decode ended) the ref stage holds batched, where allowed
+            s.ref_prefix_batched = batches_ref_prefix(shape, options)
         else:
             batch_ref = batches_ref_prefix(shape, options)
             s.phases.append(Phase(PhaseName.REF_PREFIX, depends_on=("rollout",), holds_bytes=ref_kv, tokens=P,
