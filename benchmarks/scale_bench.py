@@ -221,6 +221,11 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
                warm_up_step=bool(first <= 0 and a.repeats), warm_up_steps=1 - first if a.repeats else 0)
     row["s_per_sample"] = row["step_s"] / row["samples"]
     row["window_phases"] = [str(ph.name) for ph in out.schedule.phases if ph.in_window]  # beside decode
+    jobs = out.window_jobs
+    if jobs is not None and jobs.reads_reference:  # the window's jobs: how many ran there, how many the ref stage took
+        row["window_jobs"] = {"submitted": {str(k): v for k, v in jobs.submitted.items()},
+                              "dropped": {str(k): v for k, v in jobs.dropped.items()},
+                              "samples_scored": len(jobs.scored), "tail_step": jobs.tail_step}
     row["recompute"] = recompute_record(out.schedule)
     # the last timed step's train stage, span by span (host and device seconds; components/span_clock)
     row["train_spans"] = {"totals": span_totals(out.train.spans), "spans": out.train.spans}
@@ -509,6 +514,7 @@ def main(argv=None) -> dict:
                     cfg.model.activation_checkpointing = a.activation_checkpointing
                     cfg.runtime.packed_scoring = not a.padded
                     cfg.runtime.window_sms = a.window_sms if mode.endswith("-window") else 0
+                    cfg.rollout.compact_decode = a.compact_decode
                     # -batched: the default since 2026-12-02 (the name kept for earlier commands)
                     cfg.runtime.batched_actor_prefix = not mode.endswith("-unbatched")
                     runners[mode] = build_step_runtime(cfg, actor, reference, engine, optimizer, None,

@@ -35,6 +35,8 @@ def test_without_cuda_the_split_fails_naming_the_key():
     (["--runtime.mode=overlapped", "--runtime.window_sms=32"], r"runtime\.window_sms.*reference_in_window"),
     (["--runtime.mode=decomposed", "--runtime.reference_in_window=true", "--runtime.window_sms=32"],
      r"runtime\.window_sms.*runtime\.mode"),
+    (["--runtime.mode=overlapped", "--runtime.reference_in_window=true", "--runtime.window_sms=32"],
+     r"runtime\.window_sms.*rollout\.compact_decode"),
     (["--runtime.window_sms=-1"], r"runtime\.window_sms.*>= 0"),
 ])
 def test_a_split_without_window_work_is_refused_at_load_naming_the_keys(args, keys):
@@ -42,7 +44,7 @@ def test_a_split_without_window_work_is_refused_at_load_naming_the_keys(args, ke
     with pytest.raises(ConfigError, match=keys):
         load_config(args)
     assert load_config(["--runtime.mode=overlapped", "--runtime.reference_in_window=true",
-                        "--runtime.window_sms=32"]).runtime.window_sms == 32
+                        "--rollout.compact_decode=true", "--runtime.window_sms=32"]).runtime.window_sms == 32
 
 
 def test_setting_a_split_drops_the_captured_steps(grpo_assets):
@@ -90,7 +92,8 @@ def test_a_split_decode_step_replays_the_split_graph_only_while_the_window_works
 def _runner(grpo_assets, engine, window_sms=32):
     actor = grpo_assets.actor
     cfg = load_config(["--runtime.mode=overlapped", "--runtime.reference_in_window=true",
-                       f"--runtime.window_sms={window_sms}", "--algorithm.kl_coef=0.1"])
+                       "--rollout.compact_decode=true", f"--runtime.window_sms={window_sms}",
+                       "--algorithm.kl_coef=0.1"])
     optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=0.0)
     return build_step_runtime(cfg, actor, grpo_assets.reference, engine, optimizer, None,
                               grpo_assets.processor.tokenizer)

@@ -237,8 +237,9 @@ class RuntimeConfig:
     reference_in_window: bool = False
     window_sample_batch: int = 0  # overlapped window: finished samples of a prompt per job; 0: half a group
     # overlapped window (CUDA): the SMs the window's work runs on, the decode on the rest, the device split once by
-    # the driver (components/sm_partition.py; needs cuda-bindings); 0: no split, the window's kernels take turns with
-    # the decode's on every SM
+    # the driver (components/sm_partition.py; needs cuda-bindings); the window's jobs then wait for the decode's
+    # tail (rollout.compact_decode's compacted rows), where a decode of few rows leaves SMs to spare; 0: no split,
+    # the window's kernels take turns with the decode's on every SM
     window_sms: int = 0
     # score only the valid tokens of a micro-batch (varlen; runtime/packing.py); false: rows padded to the longest
     packed_scoring: bool = True
@@ -453,10 +454,11 @@ _CHECKS = [
     ("parallelism.rollout_tp", lambda c: c.parallelism.rollout_tp >= 1, "must be >= 1"),
     ("runtime.window_sms", lambda c: c.runtime.window_sms <= 0 or (c.runtime.reference_in_window
                                                                    and c.runtime.mode == "overlapped"
-                                                                   and c.rollout.backend == "native"),
-     "splits the device between the decode and the decode window's work: it needs runtime.mode = \"overlapped\", "
-     "runtime.reference_in_window = true and rollout.backend = \"native\" (without window work it only slows the "
-     "decode); set it to 0"),
+                                                                   and c.rollout.backend == "native"
+                                                                   and c.rollout.compact_decode),
+     "splits the device between the decode and the decode window's work, which runs in the decode's tail: it needs "
+     "runtime.mode = \"overlapped\", runtime.reference_in_window = true, rollout.backend = \"native\" and "
+     "rollout.compact_decode = true (the tail is the compacted rows); set it to 0"),
     ("runtime.reference_in_window", lambda c: not (c.runtime.reference_in_window and c.memory.managed),
      "reads the reference weights during rollout, but memory.managed keeps them on the device only in the ref "
      "phase: turn one of them off"),

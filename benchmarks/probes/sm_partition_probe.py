@@ -18,7 +18,9 @@ time of the same work one after the other on the whole GPU over the time side by
     run(command="CUBLAS_WORKSPACE_CONFIG=:0:0 timeout -k 5 200 python benchmarks/probes/sm_partition_probe.py \
         --watchdog-s 190 --out $OUT/sm-partition.json")
 
-Not yet run on a GPU: written 2026-12-04; no device was lent then or on 2026-12-05. A failed partition stays a row with its error.
+Run on an H100 on 2026-12-06 (benchmarks/probes/sm_partition-20261206-*.json, docs/benchmarks.md). The speedup of a
+graphed row is against the decode graph captured on every SM (the first run, h100, compared graphed rows with the
+eager decode on every SM, which the host's launches slow at batch 64). A failed partition stays a row with its error.
 """
 from __future__ import annotations
 
@@ -138,11 +140,16 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         xd = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16)
         decode = lambda: forward(xd, actor)
-        timed(repeat(decode, main_stream, 3), [main_stream])
-        t_dec = timed(repeat(decode, main_stream, 50), [main_stream]) / 50
-        steps = max(1, int(args.decode_s / t_dec))
-        base = dict(batch=batch, decode_ms=round(t_dec * 1e3, 3),
-                    decode_hbm_tb_s=round(weight_bytes / t_dec / 1e12, 2), decode_steps=steps)
+        timed(repeat(decode, main_stream, 20), [main_stream])  # clocks up before the baseline
+        t_eager = timed(repeat(decode, main_stream, 50), [main_stream]) / 50
+        whole = torch.cuda.CUDAGraph()  # the baseline of the graphed rows: one step captured on every SM
+        with torch.cuda.graph(whole, stream=main_stream):
+            forward(xd, actor)
+        timed(repeat(whole.replay, main_stream, 20), [main_stream])
+        t_graph = timed(repeat(whole.replay, main_stream, 50), [main_stream]) / 50
+        steps = max(1, int(args.decode_s / t_graph))
+        base = dict(batch=batch, decode_ms=round(t_eager * 1e3, 3), decode_graph_ms=round(t_graph * 1e3, 3),
+                    decode_hbm_tb_s=round(weight_bytes / t_graph / 1e12, 2), decode_steps=steps)
         print(json.dumps(base), flush=True)
         for n, ((s_pre, s_dec), (n_pre, n_dec), total) in cuts.items():
             for graphed in (False, True):
@@ -169,6 +176,7 @@ def main() -> None:
                         repeat(step, s_dec, steps)()
 
                     t_both = min(timed(both, [s_pre, s_dec]) for _ in range(2))
+                    t_dec = t_graph if graphed else t_eager  # the same kind of decode on every SM
                     serial_whole = steps * t_dec + chunks * t_pre
                     row.update(ok=True, chunks=chunks, decode_alone_s=round(d_alone, 4),
                                prefix_alone_s=round(p_alone, 4), together_s=round(t_both, 4),

@@ -50,6 +50,7 @@ class DecodeStepInfo:
     step: int
     active_samples: int
     waiting_prompts: int
+    compacted: bool = False  # the live samples decode alone on the compacted rows (compact_decode): the tail
 
 
 @dataclass
@@ -457,7 +458,7 @@ class RolloutEngine:
                 step += 1
                 self.stats.decode_steps += 1
                 if on_step is not None:
-                    on_step(DecodeStepInfo(step, len(owner) * n, len(waiting)))
+                    on_step(DecodeStepInfo(step, len(owner) * n, len(waiting), compacted))
                 if step % self.check_interval == 0 or step >= max_new:
                     if compacted:
                         collect_compacted()

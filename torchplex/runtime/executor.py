@@ -446,7 +446,8 @@ class StepRunner:
             prefill = rollout_prefill(schedule, self.scorer, self.actor, step.prefixes, step.prompts)
         jobs = step.window_jobs = DecodeWindowJobs(
             schedule, self.scorer, self.reference, step.prompts, step.params.n, st.plan.sample_batch(step.params.n),
-            step.prefixes, self.window, step.timeline, st.temperature, self.device)
+            step.prefixes, self.window, step.timeline, st.temperature, self.device,
+            hold_until_tail=self.split_decode is not None)
         # The window scores the reference beside decode: gathered from here through the ref stage (a no-op without
         # FSDP2 or window work)
         step.gathers.enter_context(gathered(self.reference if jobs.reads_reference else None))

@@ -358,11 +358,15 @@ class DecodeWindowJobs:
     decode more of the host). `scored` maps a sample to its reference log-probs; what the window did not score, the
     ref stage does: when decode ends, the jobs not yet begun are dropped and left to it (`dropped`), as it runs on
     the whole device, batched, where the window's jobs would run one by one (on the window's SMs, with a split).
+    hold_until_tail (a device split for the window, runtime.window_sms): the jobs are held back until the decode's
+    tail (the engine's compacted rows) and submitted then, in order. Only there does the decode leave SMs to spare:
+    on an H100 a decode of 256 rows ran 1.3-1.4x longer on the rest of a split, so window work beside it lost time
+    (benchmarks/probes/sm_partition_probe.py).
     """
 
     def __init__(self, schedule: Schedule, scorer, reference, prompts: list, group_size: int, sample_batch: int,
                  store: PrefixStore, window: WindowWorker, timeline: Timeline, temperature: float,
-                 device: torch.device, prefix_prompts: int | None = None):
+                 device: torch.device, prefix_prompts: int | None = None, hold_until_tail: bool = False):
         in_window = lambda name: schedule.has(name) and schedule.phase(name).in_window
         self.prefix_in_window = in_window(PhaseName.REF_PREFIX) and reference is not None
         self.suffix_in_window = in_window(PhaseName.REF_SUFFIX) and reference is not None
@@ -378,6 +382,9 @@ class DecodeWindowJobs:
         # jobs by kind (PhaseName.REF_PREFIX / REF_SUFFIX): submitted, and dropped at the end of decode
         self.submitted = {PhaseName.REF_PREFIX: 0, PhaseName.REF_SUFFIX: 0}
         self.dropped = {PhaseName.REF_PREFIX: 0, PhaseName.REF_SUFFIX: 0}
+        self.hold_until_tail = hold_until_tail
+        self._held: list = []  # jobs held back until the tail (hold_until_tail)
+        self.tail_step: int | None = None  # the decode step at which the tail began (held jobs submitted)
 
     @property
     def reads_reference(self) -> bool:
@@ -393,8 +400,9 @@ class DecodeWindowJobs:
         """After generate: drop the jobs not begun (the ref stage does their work), wait for the one running
         (re-raising a job's error), then free the held reference prefixes of prompts whose samples were all scored
         there."""
-        for job in self.window.finish(drop_waiting=True):
+        for job in self._held + self.window.finish(drop_waiting=True):
             self.dropped[job.kind] += 1
+        self._held = []
         for i, prompt in enumerate(self.prompts):
             if all(i * self.group_size + j in self.scored for j in range(self.group_size)):
                 self.store.discard(self.reference, prompt)
@@ -404,6 +412,11 @@ class DecodeWindowJobs:
         if info.step == 1:  # decode has begun: the prompts' prefills are done
             for i in range(0, len(self.prompts), self.prefix_prompts):
                 self._prefix_job(i)
+        if self.hold_until_tail and info.compacted and self.tail_step is None:
+            self.tail_step = info.step
+            for job in self._held:
+                self.window.submit(job)
+            self._held = []
 
     def _on_samples_finished(self, outputs) -> None:
         for o in outputs:
@@ -426,7 +439,10 @@ class DecodeWindowJobs:
     def _submit(self, kind: PhaseName, fn: Callable[[], None]) -> None:
         fn.kind = kind
         self.submitted[kind] += 1
-        self.window.submit(fn)
+        if self.hold_until_tail and self.tail_step is None:
+            self._held.append(fn)
+        else:
+            self.window.submit(fn)
 
     # ---- jobs, run by the window (its thread and side stream) ----------------------------------------------
     def _hold_prefixes(self, prompts: list) -> None:
