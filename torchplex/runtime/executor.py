@@ -340,8 +340,9 @@ class StepRunner:
         schedule.memory = budget.to_dict()
         if self.sm_partition is not None and any(ph.in_window for ph in schedule.phases):
             schedule.reasons.append(f"the device split for the decode window: {self.sm_partition.describe()} "
-                                    "(runtime.window_sms; while a window job is queued or running, the decode replays a graph captured on its "
-                                    "own SMs)")
+                                    "(runtime.window_sms): the window's jobs wait for the decode's compacted tail, "
+                                    "and while one is queued or running the decode replays a graph captured on its "
+                                    "own SMs")
         return schedule
 
     def memory_budget(self, shape: StepShape, params: SamplingParams) -> MemoryBudget:

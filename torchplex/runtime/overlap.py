@@ -431,7 +431,8 @@ class DecodeWindowJobs:
     def _prefix_job(self, i: int) -> None:
         """Queue the reference prefixes of prompt i's batch (prompts i // prefix_prompts), unless queued before."""
         first = i - i % self.prefix_prompts
-        todo = [k for k in range(first, min(first + self.prefix_prompts, len(self.prompts))) if k not in self._submitted]
+        batch = range(first, min(first + self.prefix_prompts, len(self.prompts)))
+        todo = [k for k in batch if k not in self._submitted]
         if todo:
             self._submitted.update(todo)
             self._submit(PhaseName.REF_PREFIX, lambda ps=[self.prompts[i] for i in todo]: self._hold_prefixes(ps))
