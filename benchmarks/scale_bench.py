@@ -225,7 +225,7 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
     if jobs is not None and jobs.reads_reference:  # the window's jobs: how many ran there, how many the ref stage took
         row["window_jobs"] = {"submitted": {str(k): v for k, v in jobs.submitted.items()},
                               "dropped": {str(k): v for k, v in jobs.dropped.items()},
-                              "samples_scored": len(jobs.scored), "tail_step": jobs.tail_step}
+                              "samples_scored": len(jobs.scored), "released_at_step": jobs.released_at_step}
     row["recompute"] = recompute_record(out.schedule)
     # the last timed step's train stage, span by span (host and device seconds; components/span_clock)
     row["train_spans"] = {"totals": span_totals(out.train.spans), "spans": out.train.spans}

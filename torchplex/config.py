@@ -237,9 +237,9 @@ class RuntimeConfig:
     reference_in_window: bool = False
     window_sample_batch: int = 0  # overlapped window: finished samples of a prompt per job; 0: half a group
     # overlapped window (CUDA): the SMs the window's work runs on, the decode on the rest, the device split once by
-    # the driver (components/sm_partition.py; needs cuda-bindings); the window's jobs then wait for the decode's
-    # tail (rollout.compact_decode's compacted rows), where a decode of few rows leaves SMs to spare; 0: no split,
-    # the window's kernels take turns with the decode's on every SM
+    # the driver (components/sm_partition.py; needs cuda-bindings); the window's jobs then wait for a decode step of
+    # at most 64 rows (a small pool, or rollout.compact_decode's compacted tail), which leaves SMs to spare; 0: no
+    # split, the window's kernels take turns with the decode's on every SM
     window_sms: int = 0
     # score only the valid tokens of a micro-batch (varlen; runtime/packing.py); false: rows padded to the longest
     packed_scoring: bool = True
@@ -456,9 +456,9 @@ _CHECKS = [
                                                                    and c.runtime.mode == "overlapped"
                                                                    and c.rollout.backend == "native"
                                                                    and c.rollout.compact_decode),
-     "splits the device between the decode and the decode window's work, which runs in the decode's tail: it needs "
-     "runtime.mode = \"overlapped\", runtime.reference_in_window = true, rollout.backend = \"native\" and "
-     "rollout.compact_decode = true (the tail is the compacted rows); set it to 0"),
+     "splits the device between the decode and the decode window's work, which waits for a decode of few rows: it "
+     "needs runtime.mode = \"overlapped\", runtime.reference_in_window = true, rollout.backend = \"native\" and "
+     "rollout.compact_decode = true (the compacted tail is such a decode); set it to 0"),
     ("runtime.reference_in_window", lambda c: not (c.runtime.reference_in_window and c.memory.managed),
      "reads the reference weights during rollout, but memory.managed keeps them on the device only in the ref "
      "phase: turn one of them off"),

@@ -51,6 +51,7 @@ class DecodeStepInfo:
     active_samples: int
     waiting_prompts: int
     compacted: bool = False  # the live samples decode alone on the compacted rows (compact_decode): the tail
+    rows: int = 0  # the rows this step decoded (every pool slot, live or not; the compacted rows after compaction)
 
 
 @dataclass
@@ -458,7 +459,7 @@ class RolloutEngine:
                 step += 1
                 self.stats.decode_steps += 1
                 if on_step is not None:
-                    on_step(DecodeStepInfo(step, len(owner) * n, len(waiting), compacted))
+                    on_step(DecodeStepInfo(step, len(owner) * n, len(waiting), compacted, len(rows)))
                 if step % self.check_interval == 0 or step >= max_new:
                     if compacted:
                         collect_compacted()

@@ -81,8 +81,8 @@ def split_for_window(runner: StepRunner, engine, window_sms: int) -> None:
     """runtime.window_sms: the device cut into the window's SMs and the decode's (components/sm_partition.py). The
     window runs its jobs on a stream of its own SMs; the engine captures each decode step twice, on every SM and on
     the decode's, and replays the second while a window job is queued or running; the step runner holds the window's
-    jobs until the decode's compacted tail (DecodeWindowJobs.hold_until_tail). Before the first rollout: a captured
-    graph keeps the SMs of the stream it was captured on."""
+    jobs until a decode step of at most overlap.SPLIT_DECODE_ROWS rows (DecodeWindowJobs.hold_until_rows). Before
+    the first rollout: a captured graph keeps the SMs of the stream it was captured on."""
     if not hasattr(engine, "split_decode"):
         raise ValueError(f"runtime.window_sms: the rollout engine {type(engine).__name__} cannot decode on part of "
                          "the device (only the native engine runs the decode window); set it to 0")

@@ -37,8 +37,8 @@ from .memory_budget import (COMPACT, FIRST_TRAIN_UNPLANNED, FIRST_WHOLE_GRAPH_SC
                             packed_key_bytes, prefix_backward_rate, recompute_train_bytes, step_residents,
                             whole_graph_scale)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
-from .overlap import (HELD_BATCH_TOKENS, DecodeWindowJobs, PrefixStore, fused_prefill, hold_prefixes, length_groups,
-                      rollout_prefill, token_batches)
+from .overlap import (HELD_BATCH_TOKENS, SPLIT_DECODE_ROWS, DecodeWindowJobs, PrefixStore, fused_prefill,
+                      hold_prefixes, length_groups, rollout_prefill, token_batches)
 from .phases import Stage
 from .planner import PlanOptions, Schedule, StepShape, holds_every_ref_prefix, plan_step
 from .prefix_graphs import PrefixGraphs
@@ -448,7 +448,7 @@ class StepRunner:
         jobs = step.window_jobs = DecodeWindowJobs(
             schedule, self.scorer, self.reference, step.prompts, step.params.n, st.plan.sample_batch(step.params.n),
             step.prefixes, self.window, step.timeline, st.temperature, self.device,
-            hold_until_tail=self.split_decode is not None)
+            hold_until_rows=SPLIT_DECODE_ROWS if self.split_decode is not None else None)
         # The window scores the reference beside decode: gathered from here through the ref stage (a no-op without
         # FSDP2 or window work)
         step.gathers.enter_context(gathered(self.reference if jobs.reads_reference else None))
