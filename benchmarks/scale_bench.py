@@ -181,11 +181,6 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
     # (--warm-up-steps more of them where one is run: a later step's plan learns from the first, and a batch shape
     # the first did not meet compiles in the second, not in a timed step)
     first = 0 if not a.repeats else 1 - a.warm_up_steps if warm_up else 1
-    # the engine is every mode's: its decode on this runner's SMs (runtime.window_sms) or on all of them
-    engine.split_decode = runner.split_decode
-    if runner.sm_partition is not None:
-        row["sm_partition"] = {"window_sms": runner.sm_partition.window_sms,
-                               "decode_sms": runner.sm_partition.decode_sms}
     for rep in range(first, a.repeats + 1):
         timer.reset()
         if device.type == "cuda":
@@ -225,7 +220,7 @@ def run_row(a, mode: str, P: int, runner, engine, prompts, params, device, warm_
     if jobs is not None and jobs.reads_reference:  # the window's jobs: how many ran there, how many the ref stage took
         row["window_jobs"] = {"submitted": {str(k): v for k, v in jobs.submitted.items()},
                               "dropped": {str(k): v for k, v in jobs.dropped.items()},
-                              "samples_scored": len(jobs.scored), "released_at_step": jobs.released_at_step}
+                              "samples_scored": len(jobs.scored)}
     row["recompute"] = recompute_record(out.schedule)
     # the last timed step's train stage, span by span (host and device seconds; components/span_clock)
     row["train_spans"] = {"totals": span_totals(out.train.spans), "spans": out.train.spans}
@@ -376,9 +371,6 @@ def parse(argv=None):
     ap.add_argument("--compact-decode", action="store_true",
                     help="rollout.compact_decode: the live samples decode alone once they fit one per group slot")
     ap.add_argument("--managed", action="store_true", help="memory.managed: offload groups between stages")
-    ap.add_argument("--window-sms", type=int, default=0,
-                    help="runtime.window_sms of the -window modes: the SMs their window work runs on, the decode on "
-                         "the rest (components/sm_partition.py; 0: no split)")
     ap.add_argument("--freeze-vision", action="store_true")
     ap.add_argument("--warmup", default="each", choices=["each", "modes", "first"],
                     help="a warm-up step before the timed steps of every (P, mode); of every mode at the first P only "
@@ -513,7 +505,6 @@ def main(argv=None) -> dict:
                         a.kv_pool_gib, a.memory_budget_gib, a.managed)
                     cfg.model.activation_checkpointing = a.activation_checkpointing
                     cfg.runtime.packed_scoring = not a.padded
-                    cfg.runtime.window_sms = a.window_sms if mode.endswith("-window") else 0
                     cfg.rollout.compact_decode = a.compact_decode
                     # -batched: the default since 2026-12-02 (the name kept for earlier commands)
                     cfg.runtime.batched_actor_prefix = not mode.endswith("-unbatched")

@@ -16,10 +16,6 @@
 #                                                          # steps each (~250 s)
 #   run(command="bash benchmarks/scale_gpu.sh compact-32") # img-32-pair with --compact-decode (~320 s measured, the
 #                                                          # first warm-up ~166 s); compare with img-32-pair
-#   run(command="bash benchmarks/scale_gpu.sh window-32")  # compact-32 with the reference in the decode window on
-#                                                          # WINDOW_SMS (64) SMs of their own, against decomposed
-#   run(command="bash benchmarks/scale_gpu.sh window-8")   # img P = 8 (a pool of 64 rows: the window's jobs from the
-#                                                          # decode's first step), window vs overlapped vs decomposed
 #   run(command="bash benchmarks/scale_gpu.sh compact-64") # img-64 with --compact-decode (~500 s estimated)
 #   run(command="bash benchmarks/scale_gpu.sh compact-vid-16") # vid-16 with --compact-decode (~360 s estimated)
 #   run(command="bash benchmarks/scale_gpu.sh serial-64")  # img P = 64, serial alone (~430 s measured: ~165 s a step)
@@ -59,10 +55,6 @@ case "${1:-}" in
   img-32) scale img-32 img 32 overlapped,decomposed,serial,decomposed-unbatched --warmup modes ;;
   img-32-pair) scale img-32-pair img 32 overlapped,decomposed --warmup modes --warm-up-steps 2 ;;
   compact-32) scale img-32-compact img 32 overlapped,decomposed --warmup modes --warm-up-steps 2 --compact-decode ;;
-  window-32) scale img-32-window img 32 overlapped-window,decomposed --warmup modes --warm-up-steps 2 --compact-decode \
-    --window-sms "${WINDOW_SMS:-64}" ;;
-  window-8) scale img-8-window img 8 overlapped-window,overlapped,decomposed --warmup modes --warm-up-steps 2 \
-    --compact-decode --window-sms "${WINDOW_SMS:-64}" ;;
   compact-64) scale img-64-compact img 64 overlapped,decomposed --warmup modes --warm-up-steps 2 --compact-decode ;;
   compact-vid-16) scale vid-16-compact vid 16 overlapped,decomposed --warmup modes --compact-decode ;;
   serial-64) scale img-64-serial img 64 serial --warmup modes ;;
@@ -75,5 +67,5 @@ case "${1:-}" in
       --watchdog-s 290 --out "$OUT/decode-$stamp-b64.json" 2>&1 | tee "$OUT/decode-$stamp.log" ;;
   *)
     echo "usage: $0 img-8-64 | img-8 | img-64 | sites-64 | vid-4 | vid-16 | vid-16-pair | img-32 | img-32-pair | profile-32 |" \
-      "compact-32 | window-32 | window-8 | compact-64 | compact-vid-16 | serial-64 | serial-vid-16 | profile-64 | host-64 | decode" >&2; exit 2 ;;
+      "compact-32 | compact-64 | compact-vid-16 | serial-64 | serial-vid-16 | profile-64 | host-64 | decode" >&2; exit 2 ;;
 esac

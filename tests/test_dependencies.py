@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 # distribution name -> the module it is imported as, where they differ
 IMPORT_NAME = {"pillow": "PIL", "math-verify": "math_verify"}
 # modules only tests, benchmarks or optional back ends use; not part of the runtime dependencies
-OPTIONAL = {"pytest", "sglang", "torchvision", "tomli", "wandb", "cuda"}  # cuda: cuda-bindings, extra "gpu"
+OPTIONAL = {"pytest", "sglang", "torchvision", "tomli", "wandb"}
 
 
 def _declared() -> list[str]:

@@ -15,7 +15,6 @@ from torchplex.runtime.executor import StepRunner, StepSettings
 from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
 from torchplex.runtime.timeline import Timeline, draw_timelines
 from torchplex.runtime.window import WindowWorker
-from torchplex.rollout.engine import SplitDecode
 
 RTOL = 1e-5
 SHAPE = StepShape(prompt_lengths=(100, 60), group_size=4, max_new_tokens=8, has_reference=True,
@@ -87,17 +86,15 @@ def setup(grpo_assets):
 
 
 def run(setup, mode, frozen, ppo_epochs=1, suffix_window=False, threaded=False, stops=None, max_new=6,
-        sample_batch=0, loss=None, micro_batch_size=4, compact=False, split=False):
-    """One step; stops: stop token ids (default <|im_end|>); threaded: the window's jobs on their own thread;
-    compact: rollout.compact_decode; split: as with a device split (runtime.window_sms), the window's
-    jobs wait for a decode step of few rows (SPLIT_DECODE_ROWS)."""
+        sample_batch=0, loss=None, micro_batch_size=4):
+    """One step; stops: stop token ids (default <|im_end|>); threaded: the window's jobs on their own thread."""
     processor, prompts, base, reference = setup
     actor = copy.deepcopy(base)
     actor.visual.requires_grad_(not frozen)
     ref = copy.deepcopy(reference)
     if frozen:
         ref.visual = actor.visual
-    engine = RolloutEngine(actor, kv_pool_bytes=16 * 2**20, compact_decode=compact)
+    engine = RolloutEngine(actor, kv_pool_bytes=16 * 2**20)
     optimizer = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=0.1)
     settings = StepSettings(reward_names=["format"], reward_weights=[1.0], micro_batch_size=micro_batch_size,
                             ppo_epochs=ppo_epochs, grad_clip=1e9, loss=loss or PolicyLossConfig(kl_coef=0.1),
@@ -106,8 +103,6 @@ def run(setup, mode, frozen, ppo_epochs=1, suffix_window=False, threaded=False, 
     runner = StepRunner(actor, ref, engine, optimizer, None, processor.tokenizer, settings)
     if threaded:
         runner.window = WindowWorker(runner.device, threaded=True)
-    if split:  # what build.split_for_window leaves on the runner (the split's streams need a GPU)
-        runner.split_decode = SplitDecode(stream=None, active=lambda: runner.window.busy)
     stops = stops or [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     out = runner.run(prompts, [""] * len(prompts),
                      SamplingParams(n=4, max_new_tokens=max_new, stop_token_ids=stops, seed=3))
@@ -270,56 +265,6 @@ def test_window_jobs_left_when_decode_ends_are_scored_by_the_ref_stage_as_in_dec
     # the ref stage took a held prefix for each of the three prompts' reference micro-batches (the window's one
     # batched job held them), as training took the three fused ones
     assert runner.scorer.store.served == 6 and len(runner.scorer.store) == 0
-
-
-@pytest.mark.parametrize("compact,limit", [(True, "tail"), (False, "tail"), (False, "pool")])
-def test_with_a_split_the_window_waits_for_a_decode_of_few_rows_and_the_step_equals_decomposed(setup, compact, limit,
-                                                                                              monkeypatch):
-    """With a device split (runtime.window_sms) the window's jobs are held until a decode step runs on at most
-    SPLIT_DECODE_ROWS rows, then run in order. limit "tail": fewer than the pool's rows, so only the compacted tail
-    qualifies, and without compaction none runs in the window and the ref stage does all; "pool": the whole pool
-    qualifies, so the jobs run from the first step. Either way the step is the decomposed one."""
-    import time
-
-    from torchplex.rollout.kv_pool import CompactedPool
-    from torchplex.runtime import executor, overlap
-
-    moved, rows = [], []  # when the live samples moved to the compacted rows (the tail); the rows of each step
-    move = CompactedPool.move
-    monkeypatch.setattr(CompactedPool, "move", lambda self, live: (moved.append(time.perf_counter()),
-                                                                   move(self, live))[1])
-    on_step = overlap.DecodeWindowJobs._on_step
-    monkeypatch.setattr(overlap.DecodeWindowJobs, "_on_step", lambda self, info: (rows.append(info.rows),
-                                                                                   on_step(self, info))[1])
-    stops = long_tail_stops(setup)
-    dec, dec_actor, _ = run(setup, "decomposed", True, stops=stops, max_new=12)
-    # the engine's pool: 3 prompts' groups of 4 fit, so it decodes at least 12 rows before any compaction
-    monkeypatch.setattr(executor, "SPLIT_DECODE_ROWS", 11 if limit == "tail" else 10**6)
-    ovl, ovl_actor, runner = run(setup, "overlapped", True, suffix_window=True, stops=stops, max_new=12,
-                                 sample_batch=1, compact=compact, split=True)
-    assert torch.equal(dec.experience.tokens, ovl.experience.tokens)
-    mask = dec.experience.mask
-    assert rel(ovl.experience.ref_logprobs[mask], dec.experience.ref_logprobs[mask]) < RTOL
-    assert rel(ovl.train.stats.loss, dec.train.stats.loss) < RTOL
-    for (name, a), b in zip(ovl_actor.named_parameters(), dec_actor.parameters()):
-        assert rel(a, b) < RTOL, name
-    jobs = ovl.window_jobs
-    window = [s for s in ovl.timeline.spans if s.lane == "window"]
-    assert rows[0] >= 12
-    if limit == "pool":  # released after the first step: the prefix jobs and every sample's job ran in the window
-        assert jobs.released_at_step == 1 and window and sum(jobs.dropped.values()) == 0
-        assert len(jobs.scored) == mask.shape[0]
-    elif compact:
-        assert runner.engine.stats.compactions == 1 and rows[-1] <= 11
-        assert jobs.released_at_step == next(i + 1 for i, r in enumerate(rows) if r <= 11)
-        # every job submitted before the tail ran at its start (on CPU a job runs when submitted), in order
-        assert window[0].name == "ref_prefix" and len(window) == sum(jobs.submitted.values())
-        assert min(s.start_s for s in window) > moved[-1] - ovl.timeline.origin  # none before the tail
-        assert sum(jobs.dropped.values()) == 0 and jobs.scored
-    else:
-        assert set(rows) == {rows[0]}  # every step decoded the whole pool
-        assert jobs.released_at_step is None and not window and not jobs.scored
-        assert jobs.dropped == jobs.submitted and jobs.submitted["ref_suffix"] > 0
 
 
 def test_timeline_exports(setup, tmp_path):

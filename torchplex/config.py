@@ -236,11 +236,6 @@ class RuntimeConfig:
     # computed in the rollout decode window on a second host thread (runtime/window.py); equal up to rounding
     reference_in_window: bool = False
     window_sample_batch: int = 0  # overlapped window: finished samples of a prompt per job; 0: half a group
-    # overlapped window (CUDA): the SMs the window's work runs on, the decode on the rest, the device split once by
-    # the driver (components/sm_partition.py; needs cuda-bindings); the window's jobs then wait for a decode step of
-    # at most 64 rows (a small pool, or rollout.compact_decode's compacted tail), which leaves SMs to spare; 0: no
-    # split, the window's kernels take turns with the decode's on every SM
-    window_sms: int = 0
     # score only the valid tokens of a micro-batch (varlen; runtime/packing.py); false: rows padded to the longest
     packed_scoring: bool = True
 
@@ -452,13 +447,6 @@ _CHECKS = [
      "must be -1 (all remaining ranks) or >= 1"),
     ("parallelism.tp", lambda c: c.parallelism.tp >= 1, "must be >= 1"),
     ("parallelism.rollout_tp", lambda c: c.parallelism.rollout_tp >= 1, "must be >= 1"),
-    ("runtime.window_sms", lambda c: c.runtime.window_sms <= 0 or (c.runtime.reference_in_window
-                                                                   and c.runtime.mode == "overlapped"
-                                                                   and c.rollout.backend == "native"
-                                                                   and c.rollout.compact_decode),
-     "splits the device between the decode and the decode window's work, which waits for a decode of few rows: it "
-     "needs runtime.mode = \"overlapped\", runtime.reference_in_window = true, rollout.backend = \"native\" and "
-     "rollout.compact_decode = true (the compacted tail is such a decode); set it to 0"),
     ("runtime.reference_in_window", lambda c: not (c.runtime.reference_in_window and c.memory.managed),
      "reads the reference weights during rollout, but memory.managed keeps them on the device only in the ref "
      "phase: turn one of them off"),
@@ -477,7 +465,6 @@ _RANGES = [
     ("rollout.max_new_tokens", lambda v: v >= 1, "must be >= 1"),
     ("rollout.kv_pool_gib", lambda v: v >= 0, "must be >= 0 (0 = sized from the memory budget)"),
     ("rollout.max_batch", lambda v: v >= 1, "must be >= 1"),
-    ("runtime.window_sms", lambda v: v >= 0, "must be >= 0 (0 = no split of the device)"),
     ("algorithm.kl_coef", lambda v: v >= 0, "must be >= 0 (0 = no reference model)"),
     ("optimizer.lr", lambda v: v > 0, "must be > 0"),
     ("optimizer.beta1", lambda v: 0 <= v < 1, "must be in [0, 1)"),

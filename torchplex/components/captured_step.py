@@ -44,16 +44,12 @@ class CapturedStep:
     the driver again. Each capture gets its own private memory pool (a pool
     whose graphs are all gone is freed, and cannot be handed to a later capture).
     Mode "thread_local": copy threads of the memory manager may keep issuing copies while this thread captures.
-    `capture_stream`: the stream to warm up and capture on (default: a new side stream). A graph captured on a stream
-    of a green context keeps that context's SMs wherever it is replayed (components/sm_partition.py).
     Before capturing, the driver is made to have `room_bytes` free (`make_room`); `pool_bytes` is what the capture
     reserved (its pool, and anything other threads reserved meanwhile: an upper bound), for the next one's room.
     """
 
-    def __init__(self, fn, on_capture: Callable[[float], None] | None = None, room_bytes: int = CAPTURE_ROOM,
-                 capture_stream: torch.cuda.Stream | None = None):
+    def __init__(self, fn, on_capture: Callable[[float], None] | None = None, room_bytes: int = CAPTURE_ROOM):
         self.fn = fn
-        self.capture_stream = capture_stream
         self.on_capture = on_capture
         self.room_bytes = room_bytes
         self.pool_bytes = 0
@@ -62,7 +58,7 @@ class CapturedStep:
     def _capture(self, args):
         t0 = time.perf_counter()
         self.static_in = [a.clone() for a in args]
-        side = self.capture_stream or torch.cuda.Stream()
+        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):

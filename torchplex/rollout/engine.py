@@ -50,8 +50,6 @@ class DecodeStepInfo:
     step: int
     active_samples: int
     waiting_prompts: int
-    compacted: bool = False  # the live samples decode alone on the compacted rows (compact_decode): the tail
-    rows: int = 0  # the rows this step decoded (every pool slot, live or not; the compacted rows after compaction)
 
 
 @dataclass
@@ -72,20 +70,10 @@ class RolloutStats:
 @dataclass
 class _DecodeStep:
     """One layout's decode step: the sampling params it was made for, compiled, and what is called (on CUDA the
-    captured graph, made again for each pool storage; with split_decode also a graph on the split's SMs)."""
+    captured graph, made again for each pool storage)."""
     params: SamplingParams | None = None
     compiled: Callable | None = None
     fn: Callable | None = None
-    fn_split: Callable | None = None
-
-
-@dataclass
-class SplitDecode:
-    """The decode's part of a split device (components/sm_partition.py): `stream` is of the decode's SMs, and while
-    `active()` holds (other work runs on the rest) a step replays the graph captured on it instead of the graph on
-    every SM. Decode steps only: prefill and the loop's own small kernels keep the caller's stream."""
-    stream: torch.cuda.Stream
-    active: Callable[[], bool]
 
 
 class RolloutEngine:
@@ -138,7 +126,6 @@ class RolloutEngine:
         # decode_priority (CUDA): decode steps run on a stream of the highest priority, so that when decode-window
         # work runs beside them on another stream, the GPU's block scheduler hands free SMs to decode first.
         self.decode_priority = decode_priority
-        self._split: SplitDecode | None = None  # split_decode
         # fused_qkv: decode steps project q/k/v with one GEMM on a fused copy of the three weights (model.fuse_qkv,
         # refreshed at every generate; 2*(H + 2*Hkv)*D*hidden bytes per layer, 0.9 GiB at 7B bf16). Measured on the
         # H200 (docs/benchmarks.md): 7B, 8 prompts x 8 samples, 6.24 -> 5.60 ms per step. Default: wherever the
@@ -156,18 +143,6 @@ class RolloutEngine:
         # to enqueue it (benchmarks computing prefill MFU turn it on; it costs a sync per admission)
         self.time_prefill = False
 
-    @property
-    def split_decode(self) -> SplitDecode | None:
-        """Decode steps on part of the device while other work runs on the rest (CUDA; components/sm_partition.py).
-        Setting it drops the captured graphs: a graph keeps the SMs of the stream it was captured on."""
-        return self._split
-
-    @split_decode.setter
-    def split_decode(self, split: SplitDecode | None) -> None:
-        if split is not self._split:
-            self._split = split
-            self._new_storage()
-
     def _count_capture(self, seconds: float, captured: CapturedStep) -> None:
         self.stats.captures += 1
         self.stats.capture_s += seconds
@@ -176,7 +151,7 @@ class RolloutEngine:
     def _new_storage(self) -> None:
         """The pool's tensors changed: captured graphs must not keep the old addresses."""
         for st in self._steps.values():
-            st.fn = st.fn_split = None
+            st.fn = None
 
     # ---- pool lifetime -------------------------------------------------------------------------------
     def _pool_for(self, n: int, max_prompt: int, max_new: int, num_prompts: int) -> GroupKVPool:
@@ -269,14 +244,8 @@ class RolloutEngine:
             room = max(CAPTURE_ROOM, 2 * self.stats.capture_pool_bytes)
             st.fn = (CapturedStep(st.compiled, lambda s: self._count_capture(s, st.fn), room) if self.use_graphs
                      else st.compiled)
-            if self.use_graphs and self._split is not None:
-                st.fn_split = CapturedStep(st.compiled, lambda s: self._count_capture(s, st.fn_split), room,
-                                           capture_stream=self._split.stream)
-        whole, split = st.fn, st.fn_split
-        if split is None:
-            return lambda params, *state: whole(*state)
-        active = self._split.active
-        return lambda params, *state: (split if active() else whole)(*state)
+        fn = st.fn
+        return lambda params, *state: fn(*state)
 
     def generate(self, prompts: Sequence, params: SamplingParams, *, sample_seeds: Sequence[Sequence[int]] | None = None,
                  on_step: Callable[[DecodeStepInfo], None] | None = None,
@@ -459,7 +428,7 @@ class RolloutEngine:
                 step += 1
                 self.stats.decode_steps += 1
                 if on_step is not None:
-                    on_step(DecodeStepInfo(step, len(owner) * n, len(waiting), compacted, len(rows)))
+                    on_step(DecodeStepInfo(step, len(owner) * n, len(waiting)))
                 if step % self.check_interval == 0 or step >= max_new:
                     if compacted:
                         collect_compacted()

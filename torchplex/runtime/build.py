@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..components.sm_partition import split_sms
 from ..config import Config
-from ..rollout.engine import SplitDecode
 from ..rl.losses import PolicyLossConfig
 from .executor import StepRunner, StepSettings
 from .memory import MemoryManager, MemoryPlan, grads_group, kv_pool_group, module_group, optimizer_state_group
@@ -72,22 +70,4 @@ def build_step_runtime(cfg: Config, actor, reference, engine, optimizer, lr_sche
     if memory is None and cfg.memory.managed:
         runner.attach_memory(build_memory_manager(runner, runner.device,
                                                    int(cfg.rollout.kv_pool_gib * 2**30) or engine.kv_pool_bytes))
-    if cfg.runtime.window_sms:
-        split_for_window(runner, engine, cfg.runtime.window_sms)
     return runner
-
-
-def split_for_window(runner: StepRunner, engine, window_sms: int) -> None:
-    """runtime.window_sms: the device cut into the window's SMs and the decode's (components/sm_partition.py). The
-    window runs its jobs on a stream of its own SMs; the engine captures each decode step twice, on every SM and on
-    the decode's, and replays the second while a window job is queued or running; the step runner holds the window's
-    jobs until a decode step of at most overlap.SPLIT_DECODE_ROWS rows (DecodeWindowJobs.hold_until_rows). Before
-    the first rollout: a captured graph keeps the SMs of the stream it was captured on."""
-    if not hasattr(engine, "split_decode"):
-        raise ValueError(f"runtime.window_sms: the rollout engine {type(engine).__name__} cannot decode on part of "
-                         "the device (only the native engine runs the decode window); set it to 0")
-    partition = split_sms(runner.device, window_sms)
-    window = runner.window
-    window.stream = partition.window_stream
-    runner.sm_partition = partition
-    runner.split_decode = engine.split_decode = SplitDecode(partition.decode_stream, lambda: window.busy)

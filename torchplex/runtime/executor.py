@@ -37,8 +37,8 @@ from .memory_budget import (COMPACT, FIRST_TRAIN_UNPLANNED, FIRST_WHOLE_GRAPH_SC
                             packed_key_bytes, prefix_backward_rate, recompute_train_bytes, step_residents,
                             whole_graph_scale)
 from .grpo_step import Experience, TrainResult, build_experience, reference_phase, train_phase
-from .overlap import (HELD_BATCH_TOKENS, SPLIT_DECODE_ROWS, DecodeWindowJobs, PrefixStore, fused_prefill,
-                      hold_prefixes, length_groups, rollout_prefill, token_batches)
+from .overlap import (HELD_BATCH_TOKENS, DecodeWindowJobs, PrefixStore, fused_prefill, hold_prefixes, length_groups,
+                      rollout_prefill, token_batches)
 from .phases import Stage
 from .planner import PlanOptions, Schedule, StepShape, holds_every_ref_prefix, plan_step
 from .prefix_graphs import PrefixGraphs
@@ -138,10 +138,6 @@ class StepRunner:
             self.scorer.prefix_graphs[id(reference)] = PrefixGraphs(reference)
         self.device = next(actor.parameters()).device
         self.window = WindowWorker(self.device)
-        # runtime.window_sms: the decode and the window on disjoint SMs (build.split_for_window): the split, and the
-        # engine's part of it (rollout.engine.SplitDecode)
-        self.sm_partition = None
-        self.split_decode = None
         # what a fused prefill's graph held per prompt token, measured (overlap.SavedBytes); until the first fused
         # step, an estimate (_graph_estimate)
         self._activation_bytes_per_token: float | None = None
@@ -338,11 +334,6 @@ class StepRunner:
                                      train_room_bytes=budget.train_room_bytes), self.settings.plan,
                              self.engine.capabilities)
         schedule.memory = budget.to_dict()
-        if self.sm_partition is not None and any(ph.in_window for ph in schedule.phases):
-            schedule.reasons.append(f"the device split for the decode window: {self.sm_partition.describe()} "
-                                    "(runtime.window_sms): the window's jobs wait for the decode's compacted tail, "
-                                    "and while one is queued or running the decode replays a graph captured on its "
-                                    "own SMs")
         return schedule
 
     def memory_budget(self, shape: StepShape, params: SamplingParams) -> MemoryBudget:
@@ -447,8 +438,7 @@ class StepRunner:
             prefill = rollout_prefill(schedule, self.scorer, self.actor, step.prefixes, step.prompts)
         jobs = step.window_jobs = DecodeWindowJobs(
             schedule, self.scorer, self.reference, step.prompts, step.params.n, st.plan.sample_batch(step.params.n),
-            step.prefixes, self.window, step.timeline, st.temperature, self.device,
-            hold_until_rows=SPLIT_DECODE_ROWS if self.split_decode is not None else None)
+            step.prefixes, self.window, step.timeline, st.temperature, self.device)
         # The window scores the reference beside decode: gathered from here through the ref stage (a no-op without
         # FSDP2 or window work)
         step.gathers.enter_context(gathered(self.reference if jobs.reads_reference else None))

@@ -346,10 +346,6 @@ def rollout_prefill(schedule: Schedule, scorer, actor, store: PrefixStore, promp
 
 
 WINDOW_PREFIX_PROMPTS = 4  # reference prefixes per window job when decode begins: ~4,200 tokens at img, fewer launches
-# With a device split, the window's jobs wait for a decode step of at most this many rows: on an H100 a decode of 64
-# rows ran beside window work on 32-64 SMs of a split (1.17-1.31x over the two in turn), one of 256 rows lost time
-# (0.78-0.93x) (benchmarks/probes/sm_partition_probe.py, docs/benchmarks.md)
-SPLIT_DECODE_ROWS = 64
 
 
 class DecodeWindowJobs:
@@ -361,17 +357,12 @@ class DecodeWindowJobs:
     held prefix (each job is an eager forward whose host cost hardly depends on its size, so fewer, larger jobs leave
     decode more of the host). `scored` maps a sample to its reference log-probs; what the window did not score, the
     ref stage does: when decode ends, the jobs not yet begun are dropped and left to it (`dropped`), as it runs on
-    the whole device, batched, where the window's jobs would run one by one (on the window's SMs, with a split).
-    hold_until_rows (a device split for the window, runtime.window_sms): the jobs are held back until a decode step
-    runs on at most that many rows (a small pool's every step, else the compacted tail) and submitted then, in
-    order. Only then does the decode leave SMs to spare: on an H100 a decode of 256 rows ran 1.3-1.4x longer on the
-    rest of a split, so window work beside it lost time (SPLIT_DECODE_ROWS).
+    the whole device, batched, where the window's jobs would run one by one.
     """
 
     def __init__(self, schedule: Schedule, scorer, reference, prompts: list, group_size: int, sample_batch: int,
                  store: PrefixStore, window: WindowWorker, timeline: Timeline, temperature: float,
-                 device: torch.device, prefix_prompts: int | None = None,
-                 hold_until_rows: int | None = None):
+                 device: torch.device, prefix_prompts: int | None = None):
         in_window = lambda name: schedule.has(name) and schedule.phase(name).in_window
         self.prefix_in_window = in_window(PhaseName.REF_PREFIX) and reference is not None
         self.suffix_in_window = in_window(PhaseName.REF_SUFFIX) and reference is not None
@@ -387,46 +378,32 @@ class DecodeWindowJobs:
         # jobs by kind (PhaseName.REF_PREFIX / REF_SUFFIX): submitted, and dropped at the end of decode
         self.submitted = {PhaseName.REF_PREFIX: 0, PhaseName.REF_SUFFIX: 0}
         self.dropped = {PhaseName.REF_PREFIX: 0, PhaseName.REF_SUFFIX: 0}
-        self.hold_until_rows = hold_until_rows
-        self._held: list = []  # jobs held back (hold_until_rows)
-        self.released_at_step: int | None = None  # the first decode step of few enough rows (held jobs submitted)
 
     @property
     def reads_reference(self) -> bool:
         """The window reads the reference's weights during rollout (FSDP2: gathered from the rollout on)."""
         return self.prefix_in_window or self.suffix_in_window
 
-    @property
-    def _holding(self) -> bool:
-        """Jobs are held back: a split, and no decode step of few enough rows yet."""
-        return self.hold_until_rows is not None and self.released_at_step is None
-
     def hooks(self) -> dict:
         """The engine's hook arguments: only those of work placed in the window (None otherwise)."""
-        return {"on_step": self._on_step if self.prefix_in_window or self._holding else None,
+        return {"on_step": self._on_step if self.prefix_in_window else None,
                 "on_samples_finished": self._on_samples_finished if self.suffix_in_window else None}
 
     def finish(self) -> None:
         """After generate: drop the jobs not begun (the ref stage does their work), wait for the one running
         (re-raising a job's error), then free the held reference prefixes of prompts whose samples were all scored
         there."""
-        for job in self._held + self.window.finish(drop_waiting=True):
+        for job in self.window.finish(drop_waiting=True):
             self.dropped[job.kind] += 1
-        self._held = []
         for i, prompt in enumerate(self.prompts):
             if all(i * self.group_size + j in self.scored for j in range(self.group_size)):
                 self.store.discard(self.reference, prompt)
 
     # ---- hooks, called on the decode thread ----------------------------------------------------------------
     def _on_step(self, info) -> None:
-        if info.step == 1 and self.prefix_in_window:  # decode has begun: the prompts' prefills are done
+        if info.step == 1:  # decode has begun: the prompts' prefills are done
             for i in range(0, len(self.prompts), self.prefix_prompts):
                 self._prefix_job(i)
-        if self._holding and info.rows <= self.hold_until_rows:
-            self.released_at_step = info.step
-            for job in self._held:
-                self.window.submit(job)
-            self._held = []
 
     def _on_samples_finished(self, outputs) -> None:
         for o in outputs:
@@ -450,10 +427,7 @@ class DecodeWindowJobs:
     def _submit(self, kind: PhaseName, fn: Callable[[], None]) -> None:
         fn.kind = kind
         self.submitted[kind] += 1
-        if self._holding:
-            self._held.append(fn)
-        else:
-            self.window.submit(fn)
+        self.window.submit(fn)
 
     # ---- jobs, run by the window (its thread and side stream) ----------------------------------------------
     def _hold_prefixes(self, prompts: list) -> None:

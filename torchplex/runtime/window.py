@@ -15,10 +15,6 @@ enqueued at submission (an event recorded then), so it never reads a tensor befo
 Jobs run one after another in submission order: a prompt's reference prefix is held before any of its suffixes
 is scored.
 
-On its own SMs. Beside an efficient decode the side stream's kernels take turns with the decode's on the same SMs
-(../shared/probes/FINDINGS.md). With `runtime.window_sms` the device is split once (components/sm_partition.py):
-the jobs run on a stream of the window's SMs and the decode, captured on a stream of the rest, keeps off them.
-
 Without CUDA (or `threaded=False`) a job runs when it is submitted, on the caller's thread: the executor's serial
 path, in program order, with the same numbers.
 """
@@ -34,11 +30,10 @@ import torch
 
 
 class WindowWorker:
-    def __init__(self, device: torch.device, threaded: bool | None = None, stream: torch.cuda.Stream | None = None):
+    def __init__(self, device: torch.device, threaded: bool | None = None):
         self.device = torch.device(device)
         self.threaded = self.device.type == "cuda" if threaded is None else threaded
-        # the side stream; `stream` (CUDA) gives it, e.g. the window's group of SMs (components/sm_partition.py)
-        self.stream = stream or (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -58,11 +53,6 @@ class WindowWorker:
             self._thread = threading.Thread(target=self._loop, name="torchplex-window", daemon=True)
             self._thread.start()
         self._jobs.put((job, ready))
-
-    @property
-    def busy(self) -> bool:
-        """A job is queued or running (read by the decode thread per step: which graph a split device replays)."""
-        return self._jobs.unfinished_tasks > 0
 
     def finish(self, drop_waiting: bool = False) -> list[Callable[[], None]]:
         """Wait until every submitted job has run, re-raise the first error of one, and order the current stream
