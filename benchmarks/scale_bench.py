@@ -505,7 +505,6 @@ def main(argv=None) -> dict:
                         a.kv_pool_gib, a.memory_budget_gib, a.managed)
                     cfg.model.activation_checkpointing = a.activation_checkpointing
                     cfg.runtime.packed_scoring = not a.padded
-                    cfg.rollout.compact_decode = a.compact_decode
                     # -batched: the default since 2026-12-02 (the name kept for earlier commands)
                     cfg.runtime.batched_actor_prefix = not mode.endswith("-unbatched")
                     runners[mode] = build_step_runtime(cfg, actor, reference, engine, optimizer, None,

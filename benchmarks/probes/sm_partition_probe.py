@@ -21,8 +21,8 @@ time of the same work one after the other on the whole GPU over the time side by
 Run on an H100 on 2026-12-06 (benchmarks/probes/sm_partition-20261206-*.json, docs/benchmarks.md). The speedup of a
 graphed row is against the decode graph captured on every SM (the first run, h100, compared graphed rows with the
 eager decode on every SM, which the host's launches slow at batch 64, on cold clocks). The second run (h100-warm):
-beside the prefix chain the decode on its part ran 1.3-1.9x slower than alone, and side by side lost against one
-after the other (graphed: 0.78-0.98x at 32, 64 and 256 rows), so the runtime has no split. A failed partition stays a
+beside the prefix chain the graphed decode on its part ran 1.5-1.9x slower than alone on every SM, and side by side
+lost against one after the other (graphed: 0.78-0.98x at 32, 64 and 256 rows), so the runtime has no split. A failed partition stays a
 row with its error.
 """
 from __future__ import annotations

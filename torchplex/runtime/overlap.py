@@ -352,7 +352,7 @@ class DecodeWindowJobs:
     """The reference work a schedule places in the rollout's decode window, as hooks for the engine.
 
     ref_prefix in the window: once decode has begun (its first step: every prompt's prefill is done), one job per
-    `prefix_prompts` prompts holds their reference prefixes (one batched forward, as the ref stage's). ref_suffix in
+    WINDOW_PREFIX_PROMPTS prompts holds their reference prefixes (one batched forward, as the ref stage's). ref_suffix in
     the window: a job per `sample_batch` finished samples of a prompt, and one for its last ones, scores them on the
     held prefix (each job is an eager forward whose host cost hardly depends on its size, so fewer, larger jobs leave
     decode more of the host). `scored` maps a sample to its reference log-probs; what the window did not score, the
@@ -362,13 +362,13 @@ class DecodeWindowJobs:
 
     def __init__(self, schedule: Schedule, scorer, reference, prompts: list, group_size: int, sample_batch: int,
                  store: PrefixStore, window: WindowWorker, timeline: Timeline, temperature: float,
-                 device: torch.device, prefix_prompts: int | None = None):
+                 device: torch.device):
         in_window = lambda name: schedule.has(name) and schedule.phase(name).in_window
         self.prefix_in_window = in_window(PhaseName.REF_PREFIX) and reference is not None
         self.suffix_in_window = in_window(PhaseName.REF_SUFFIX) and reference is not None
         self.scorer, self.reference, self.prompts = scorer, reference, prompts
         self.group_size, self.sample_batch = group_size, sample_batch
-        self.prefix_prompts = prefix_prompts or WINDOW_PREFIX_PROMPTS
+        self.prefix_prompts = WINDOW_PREFIX_PROMPTS
         self.store, self.window, self.timeline = store, window, timeline
         self.temperature, self.device = temperature, device
         self.scored: dict[int, torch.Tensor] = {}
