@@ -148,8 +148,9 @@ def under_current_mode(fn: Callable) -> Callable:
 
 
 def _pick(name: str, eager: Callable) -> Callable:
-    # compiled only without grad, or inside batched_forward: see the module docstring
-    if not _ON or (torch.is_grad_enabled() and not _batched_depth()):
+    # inside a compiled region (model.compile's layers, the decode step) the region's compiler fuses the chain;
+    # elsewhere compiled only without grad, or inside batched_forward: see the module docstring
+    if torch.compiler.is_compiling() or not _ON or (torch.is_grad_enabled() and not _batched_depth()):
         return eager
     fn = _compiled.get(name)
     if fn is None:

@@ -277,7 +277,8 @@ class Attention(nn.Module):
             self.qkv_copy[1][start:end].copy_(m.bias)
             start = end
 
-    def forward(self, x, cos, sin, attn, layer: int, fused_qkv: bool = False):
+    def project(self, x, cos, sin, fused_qkv: bool = False):
+        """Rotated q (B, H, T, D) and k, v (B, Hkv, T, D) of x (B, T, hidden)."""
         b, t, _ = x.shape
         if fused_qkv:  # the decode step, after fuse_qkv(); never with autograd (the copy has none)
             qkv = F.linear(x, *self.qkv_copy).view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -286,12 +287,23 @@ class Attention(nn.Module):
             q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
             k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
             v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = fusion.rotary(q, k, cos, sin)
-        out = attn(layer, q, k, v)
+        return (*fusion.rotary(q, k, cos, sin), v)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention result (B, H, T, D) -> (B, T, hidden)."""
+        b, _, t, _ = out.shape
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, x, cos, sin, attn, layer: int, fused_qkv: bool = False):
+        return self.output(attn(layer, *self.project(x, cos, sin, fused_qkv)))
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer, written as two pure tensor functions around the attention context's call:
+    `attention_inputs` (norm, q/k/v, rotary) and `attention_outputs` (output projection, residual, norm, MLP,
+    residual). The context (a Python object holding a layer's cache, masks and host lists) stays outside both, so
+    a compiler given the two functions (parallelize.apply_compile) sees the same graph in every layer and phase."""
+
     def __init__(self, args: TextArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -299,9 +311,15 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.feed_forward = GatedMLP(args.hidden_size, args.intermediate_size, bias=False, hidden_act=args.hidden_act)
 
-    def forward(self, h, cos, sin, attn, layer: int, fused_qkv: bool = False):
-        h = h + self.attention(self.attention_norm(h), cos, sin, attn, layer, fused_qkv)
+    def attention_inputs(self, h, cos, sin, fused_qkv: bool = False):
+        return self.attention.project(self.attention_norm(h), cos, sin, fused_qkv)
+
+    def attention_outputs(self, h, out):
+        h = h + self.attention.output(out)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward(self, h, cos, sin, attn, layer: int, fused_qkv: bool = False):
+        return self.attention_outputs(h, attn(layer, *self.attention_inputs(h, cos, sin, fused_qkv)))
 
 
 class Qwen2_5_VLModel(nn.Module):

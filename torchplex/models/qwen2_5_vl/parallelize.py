@@ -80,9 +80,9 @@ def apply_tp(model: Qwen2_5_VLModel, tp_mesh) -> None:
 # Eager recompute replays the layer's Python side effects: a PrefixAttention context records that layer's
 # K/V once more during backward (extra list entries after the first num_layers; those are never read).
 _CHECKPOINTED_CLASSES: dict[type, type] = {}
-# Whether checkpointed blocks recompute in backward (`recompute`). A plain module global rather than a ContextVar:
-# torch.compile guards on a global bool (one graph per value) but would break its graph on ContextVar.get. Only
-# the thread that trains reads it with grad enabled; the decode window's thread scores under no_grad.
+# Whether checkpointed blocks recompute in backward (`recompute`), read by the checkpoint wrapper, which runs eagerly
+# around the compiled layer functions (apply_compile). Only the thread that trains reads it with grad enabled; the
+# decode window's thread scores under no_grad.
 _RECOMPUTE = True
 
 
@@ -141,19 +141,28 @@ def apply_activation_checkpointing(model: Qwen2_5_VLModel) -> None:
         checkpoint_block(block)
 
 
-def apply_compile(model: Qwen2_5_VLModel, backend: str = "inductor") -> None:
-    """Compile each decoder layer (all layers share one graph). The vision blocks are left eager: their
-    window boundaries are host lists that change with every image grid, which would recompile.
+# Compiled graphs a layer function may keep: per grad mode, a padded and a packed batch, a batch of one (sizes of 1
+# are specialised), a decode step of one token; every layer shares them.
+COMPILED_GRAPHS = 16
 
-    Attention contexts mutate themselves (a cached mask, a prefix's recorded K/V). Under activation
-    checkpointing the layer body is traced as one checkpoint region, where dynamo refuses such mutations
-    unless told not to replay them during the backward recompute; not replaying them is also what we want
-    (the recompute must not record a prefix's K/V a second time).
-    """
-    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+def apply_compile(model: Qwen2_5_VLModel, backend="inductor") -> None:
+    """Compile each decoder layer's two tensor functions (DecoderLayer.attention_inputs / attention_outputs), with
+    dynamic sizes. The attention context between them stays eager: it holds per-layer Python state (a layer index,
+    lists of recorded K/V, host length lists) that a compiled layer would guard on (one graph per layer) and side
+    effects that activation checkpointing's recompute must not replay. So the graphs are the same for every layer,
+    mode and micro-batch size, and checkpointing wraps the eager layer (no checkpoint inside a compiled region).
+    The vision blocks stay eager: their window boundaries are host lists that change with every image grid."""
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_GRAPHS)
     for layer in model.layers:
-        layer.compile(backend=backend)
+        for name in ("attention_inputs", "attention_outputs"):
+            setattr(layer, name, torch.compile(getattr(layer, name), backend=backend, dynamic=True))
+
+
+def compiled_layers(model: Qwen2_5_VLModel) -> bool:
+    """Whether apply_compile compiled this model's decoder layers."""
+    return "attention_inputs" in vars(model.layers[0])
 
 
 def apply_fsdp(model: Qwen2_5_VLModel, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
@@ -183,7 +192,7 @@ def parallelize_qwen2_5_vl(
     reduce_dtype: torch.dtype = torch.float32,
     activation_checkpointing: bool = False,
     compile: bool = False,
-    compile_backend: str = "inductor",
+    compile_backend="inductor",
     freeze_vision: bool = False,
     reshard_after_forward: bool = True,
 ) -> Qwen2_5_VLModel:
