@@ -10,7 +10,7 @@
 #   CONFIG_FILE   TOML config; a path relative to where you call from, or to this folder (default debug.toml)
 #   LOG_RANK      local ranks whose output is shown, comma separated (default 0)
 #   PYTHON        interpreter; default: this repo's .venv/bin/python when it exists and no venv is
-#                 active, else `python` on PATH (so an activated venv or conda env always wins)
+#                 active, else `python` on PATH (so an activated venv or conda env always wins), else `python3`
 #   TRAIN_MODULE  module to run (default torchplex.train; tests swap in a stub)
 #   OMP_NUM_THREADS  CPU threads per process (default 1)
 # Extra arguments are config overrides (--section.key=value) and win over the file.
@@ -44,8 +44,10 @@ cd "${SCRIPT_DIR}"
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -z "${VIRTUAL_ENV:-}" && -x "${SCRIPT_DIR}/.venv/bin/python" ]]; then
         PYTHON="${SCRIPT_DIR}/.venv/bin/python"
-    else
+    elif command -v python >/dev/null; then
         PYTHON=python
+    else
+        PYTHON=python3  # images that ship only python3
     fi
 fi
 

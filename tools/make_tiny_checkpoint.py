@@ -1,7 +1,9 @@
-"""Command line over torchplex.models.qwen2_5_vl.tiny_checkpoint: write a tiny random Qwen2.5-VL checkpoint.
+"""Command line over torchplex.models.qwen2_5_vl.tiny_checkpoint: write a random Qwen2.5-VL checkpoint.
 
     python tools/make_tiny_checkpoint.py --output /tmp/tiny [--size debug] [--seed 0] [--untied]
         [--window-size N] [--max-shard-size 200KB] [--min-pixels N] [--max-pixels N]
+    python tools/make_tiny_checkpoint.py --output /tmp/ckpt7b --size 7B --full-vocab --device cuda \
+        --dtype bfloat16 --mean-response 256     # the published 7B geometry and vocabulary, seconds on a GPU
 
 What the folder holds is documented in the package module (the trainer writes one itself for debug runs).
 """
@@ -29,12 +31,21 @@ def main(argv: list[str] | None = None) -> TinyCheckpoint:
     parser.add_argument("--untied", action="store_true", help="separate lm_head (tie_word_embeddings false)")
     parser.add_argument("--window-size", type=int, default=None, help="vision window size in pixels")
     parser.add_argument("--max-shard-size", default=None, help='e.g. "200KB": write a sharded index')
-    parser.add_argument("--min-pixels", type=int, default=DEFAULT_MIN_PIXELS)
-    parser.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
-    parser.add_argument("--video-min-pixels", type=int, default=DEFAULT_VIDEO_MIN_PIXELS)
-    parser.add_argument("--video-max-pixels", type=int, default=DEFAULT_VIDEO_MAX_PIXELS)
+    parser.add_argument("--min-pixels", type=int, default=None,
+                        help=f"image processor budget (default {DEFAULT_MIN_PIXELS}; Qwen's with --full-vocab)")
+    parser.add_argument("--max-pixels", type=int, default=None,
+                        help=f"image processor budget (default {DEFAULT_MAX_PIXELS}; Qwen's with --full-vocab)")
+    parser.add_argument("--video-min-pixels", type=int, default=None)
+    parser.add_argument("--video-max-pixels", type=int, default=None)
     parser.add_argument("--no-weights", action="store_true",
-                        help="config, tokenizer and processor only (SGLang's load_format=dummy, random-init models)")
+                        help="config, tokenizer and processor only (SGLang's load_format=dummy)")
+    parser.add_argument("--full-vocab", action="store_true",
+                        help="Qwen2.5's vocabulary and token ids, the flavor's published vocab size and Qwen's "
+                             "pixel budgets (for --size 3B / 7B / 32B)")
+    parser.add_argument("--device", default=None, help="make the weights there (e.g. cuda), with the native model")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--mean-response", type=int, default=0,
+                        help="stop tokens that end random responses after ~this many tokens on average")
     a = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
@@ -44,7 +55,8 @@ def main(argv: list[str] | None = None) -> TinyCheckpoint:
         a.output, size=a.size, seed=a.seed, tie_word_embeddings=False if a.untied else None,
         window_size=a.window_size, max_shard_size=a.max_shard_size, min_pixels=a.min_pixels,
         max_pixels=a.max_pixels, video_min_pixels=a.video_min_pixels, video_max_pixels=a.video_max_pixels,
-        weights=not a.no_weights)
+        weights=not a.no_weights, full_vocab=a.full_vocab, device=a.device, dtype=a.dtype,
+        mean_response=a.mean_response)
     print(f"{ckpt.summary()} in {time.perf_counter() - start:.1f}s")
     return ckpt
 

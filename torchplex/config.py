@@ -73,6 +73,8 @@ class DataConfig:
     synthetic_task: Literal["shapes", "video_counting"] = "shapes"
     synthetic_train: int = 2000
     synthetic_eval: int = 200
+    synthetic_size: int = 0  # side in pixels of the task's images or video frames; 0: 112 (images), 56 (video)
+    synthetic_frames: int = 0  # frames per synthetic video; 0: 8
     prompts_per_step: int = 8  # each prompt is sampled rollout.n_samples times
     max_prompt_tokens: int = 1024  # image tokens included
     shuffle: bool = True
@@ -204,6 +206,9 @@ class CheckpointConfig:
     keep_latest_k: int = 2  # 0 = keep all
     resume: bool = True  # load the latest checkpoint in folder when one exists
     export_hf_at_end: bool = False
+    # a checkpoint at the last step too (not only every `interval` steps); false where the HF export is all that is
+    # wanted of the end (a 7B checkpoint holds its AdamW state: three times the weights)
+    save_last: bool = True
 
 
 @dataclass
@@ -459,6 +464,9 @@ _RANGES = [
     ("job.seed", lambda v: 0 <= v < 2**32, "must be in [0, 2**32) (numpy's seed range)"),
     ("data.synthetic_train", lambda v: v >= 1, "must be >= 1"),
     ("data.synthetic_eval", lambda v: v >= 0, "must be >= 0"),
+    ("data.synthetic_size", lambda v: v == 0 or (v >= 28 and v % 2 == 0), "must be 0 (the task's default) or an "
+     "even number of pixels >= 28"),
+    ("data.synthetic_frames", lambda v: v >= 0, "must be >= 0 (0: the task's default)"),
     ("data.prompts_per_step", lambda v: v >= 1, "must be >= 1"),
     ("data.max_prompt_tokens", lambda v: v >= 1, "must be >= 1"),
     ("data.eval_prompts", lambda v: v >= 0, "must be >= 0"),

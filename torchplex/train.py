@@ -51,7 +51,10 @@ from .rl.reward_functions import RewardLedger, get_reward, reward_answers
 from .rollout.logprob_mismatch import mismatch_sums
 from .rollout.sampling import SamplingParams, sample_seeds
 from .rollout.sglang_backend.engine import build_sglang_engine, check_sglang_available
+from .components.flops import step_flops
 from .runtime.build import build_step_runtime
+from .runtime.memory_budget import COMPACT, GRAPH
+from .runtime.phases import Stage
 from .runtime.grpo_step import all_reduce_sums, kl_to_reference
 from .runtime.rollout_weights import build_rollout_engine
 from .runtime.scoring import ScoreRequest, SerialScorer
@@ -69,6 +72,24 @@ def ensure_tiny_checkpoint(path: Path, flavor: str, seed: int) -> None:
     hf_logging.disable_progress_bar()  # its one-file "Writing model shards" bar says nothing
     log.info("no checkpoint at %s: writing a tiny random %s checkpoint", path, flavor)
     make_tiny_checkpoint(path, size=flavor, seed=seed)
+
+
+def visual_grids(prompt) -> list[list[int]]:
+    """The (t, h, w) patch grids of a prompt's images and videos."""
+    return [grid for grids in (prompt.image_grid_thw, prompt.video_grid_thw) if grids is not None
+            for grid in grids.tolist()]
+
+
+def stop_token_ids(hf_dir: Path, eos_id: int) -> list[int]:
+    """The tokens that end a response: the checkpoint's generation_config.json `eos_token_id` (an id or a list;
+    Qwen2.5-VL-Instruct lists <|im_end|> and <|endoftext|>), else <|im_end|> alone."""
+    from transformers import GenerationConfig
+
+    if not (hf_dir / "generation_config.json").is_file():
+        return [eos_id]
+    ids = GenerationConfig.from_pretrained(hf_dir).eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return ids if eos_id in ids else [eos_id, *ids]
 
 
 class Trainer:
@@ -110,6 +131,7 @@ class Trainer:
         self.processor = load_processor(ckpt)
         self.tokenizer = self.processor.tokenizer
         self.eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.stop_ids = stop_token_ids(ckpt, self.eos_id)
         self.pad_id = self.tokenizer.pad_token_id or 0
         d = cfg.data
         factor = self.processor.image_processor.patch_size * self.processor.image_processor.merge_size
@@ -210,9 +232,12 @@ class Trainer:
                         raise FileNotFoundError(f"{key} = {str(path)!r}: no such file")
             else:
                 if d.synthetic_task == "video_counting":
-                    generate = functools.partial(generate_video_task, size=(56, 56), num_frames=8, fps=4)
+                    side = d.synthetic_size or 56
+                    generate = functools.partial(generate_video_task, size=(side, side),
+                                                 num_frames=d.synthetic_frames or 8, fps=4)
                 else:
-                    generate = functools.partial(generate_synthetic_task, image_size=(112, 112))
+                    side = d.synthetic_size or 112
+                    generate = functools.partial(generate_synthetic_task, image_size=(side, side))
                 if self.rank == 0:
                     generate(d.synthetic_dir, d.synthetic_train, d.synthetic_eval, seed=self.cfg.job.seed)
                 self._barrier()
@@ -257,7 +282,7 @@ class Trainer:
     def sampling_params(self, greedy: bool = False, n: int | None = None) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(n=n or r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              greedy=greedy, max_new_tokens=r.max_new_tokens, stop_token_ids=[self.eos_id],
+                              greedy=greedy, max_new_tokens=r.max_new_tokens, stop_token_ids=self.stop_ids,
                               seed=self.cfg.job.seed * 100_003 + self.step * 1009)
 
     @staticmethod
@@ -386,6 +411,7 @@ class Trainer:
         if not batch.prompts:  # the same on every rank (_equal_share)
             return metrics, False
         params = self.sampling_params()
+        decode_before = self._decode_counters()
         out = self.runner.run(batch.prompts, reward_answers(batch.records, self.reward_ledger), params,
                               sample_seeds=self.sample_seeds(params, global_indices), phase_timer=timer)
         exp, result = out.experience, out.train
@@ -394,7 +420,10 @@ class Trainer:
             log.info("step schedule:\n%s", out.schedule)
         self._schedule_written = True
         rewards = exp.rewards
+        prompt_tokens = sum(len(p.input_ids) for p in batch.prompts) * params.n
         metrics.update({
+            "samples": self._sum(float(len(rewards))),
+            "tokens/samples": self._sum(float(prompt_tokens + int(exp.lengths.sum()))),  # prompts + responses
             "reward/mean": self._mean(rewards.tolist()),
             "reward/std": self._std(rewards.tolist()),
             "accuracy": self._mean([float(c) for c in exp.correct]),
@@ -408,6 +437,8 @@ class Trainer:
             "skipped/bad_records": float(self.bad_records.total),
         })
         metrics.update(self._token_metrics())
+        metrics.update(self._flops_metrics(out))
+        metrics.update({k: v - decode_before[k] for k, v in self._decode_counters().items()})
         for name, values in exp.reward_parts.items():
             metrics[f"reward/{name}"] = self._mean(values)
         if result.stats is not None:
@@ -438,6 +469,33 @@ class Trainer:
         sums = mismatch_sums(exp.sampling_logprobs[idx], exp.old_logprobs[idx], exp.mask[idx])
         abs_sum, k3_sum, count = all_reduce_sums(list(sums), self.device, self.dp_group)
         return {"rollout/logprob_mismatch": abs_sum / max(count, 1.0), "rollout/mismatch_k3": k3_sum / max(count, 1.0)}
+
+    def _flops_metrics(self, out) -> dict[str, float]:
+        """Model FLOPs of each phase of this step (components/flops.step_flops), every rank's, in TFLOP: a phase's
+        `flops/<phase>_tflop` over its `time/<phase>_s` is its achieved rate (the benchmarks' MFU)."""
+        exp, g = out.experience, out.experience.group_size
+        lengths = exp.lengths.tolist()
+        kept = exp.keep_groups.tolist()
+        fused = [c.prompt for c in out.schedule.prefix_forms if c.form in (GRAPH, COMPACT) and kept[c.prompt]]
+        count = lambda prompts, fused: step_flops(
+            self.actor.args, [len(exp.prompts[i].input_ids) for i in prompts], [visual_grids(exp.prompts[i]) for i in prompts],
+            [lengths[i * g:(i + 1) * g] for i in prompts], serial=out.schedule.mode == "serial",
+            has_reference=self.reference is not None, vision_trains=self.runner._vision_trainable(),
+            vision_stage=Stage.VISION in out.schedule.stages(), fused=fused)
+        every = count(range(len(exp.prompts)), [])
+        trained = count([i for i in range(len(exp.prompts)) if kept[i]], [sum(kept[:i]) for i in fused])
+        every["train"] = trained["train"].scaled(self.cfg.algorithm.ppo_epochs)
+        names = list(every)
+        totals = all_reduce_sums([every[n].total / 1e12 for n in names], self.device, self.dp_group)
+        return {f"flops/{n}_tflop": t for n, t in zip(names, totals)}
+
+    def _decode_counters(self) -> dict[str, float]:
+        """The native engine's running decode counters (seconds, steps, tokens generated); none for SGLang."""
+        stats = getattr(self.engine, "stats", None)
+        if stats is None:
+            return {}
+        return {"rollout/decode_s": stats.decode_s, "rollout/decode_steps": float(stats.decode_steps),
+                "rollout/generated_tokens": float(stats.generated_tokens)}
 
     def _token_metrics(self) -> dict[str, float]:
         """Decoder token-forwards of this step's scoring (reference + actor), and what serial would have run."""
@@ -536,7 +594,8 @@ class Trainer:
             if evaluating and "eval/prompts" in metrics:
                 progress.write(format_eval(self.step, last_eval))
             stopping = self.stop.requested and not last
-            if finite and (self.checkpoints.should_save(self.step, last=last) or (stopping and cfg.checkpoint.enable)):
+            at_end = last and cfg.checkpoint.save_last
+            if finite and (self.checkpoints.should_save(self.step, last=at_end) or (stopping and cfg.checkpoint.enable)):
                 self._save()
         progress.close()
         if self.stop.requested and self.rank == 0:
@@ -553,6 +612,10 @@ class Trainer:
             return None
 
 
+# The CUDA allocator's settings for the native backend: expandable segments let the phases' different tensor shapes
+# reuse freed memory instead of fragmenting it (the rollout's KV pool, then training's activations)
+ALLOCATOR_SETTINGS = "expandable_segments:True"
+
 # Errors a user fixes by changing the config, the command or the data: shown as their message alone (exit 2)
 USER_ERRORS = (ConfigError, RunFolderError, DataError, FileNotFoundError)
 
@@ -563,6 +626,8 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(int(os.environ.get("RANK", "0")))
     try:
         cfg = load_config(argv)
+        if cfg.rollout.backend == "native":  # before CUDA is initialised; SGLang's memory saver refuses them
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_SETTINGS)
         Trainer(cfg).train()
         finish_distributed()
     except USER_ERRORS as err:

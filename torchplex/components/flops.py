@@ -144,3 +144,44 @@ def serial_flops(args: ModelArgs, prompt_lens: Sequence[int], response_lens: Seq
 def mfu(flops: float, seconds: float, peak_flops_per_s: float) -> float:
     """Model FLOPs utilisation of a phase: its counted FLOPs over its time and the measured peak."""
     return flops / seconds / peak_flops_per_s if seconds > 0 and peak_flops_per_s > 0 else 0.0
+
+
+def decode_flops(t: TextArgs, prompt_lens: Sequence[int], response_lens: Sequence[Sequence[int]]) -> Flops:
+    """Forward FLOPs of decoding the responses token by token after their prompt's prefill: each generated token
+    but the first (sampled from the prefill's logits) runs the decoder over its prompt and its own earlier tokens."""
+    tokens = sum(max(r - 1, 0) for rs in response_lens for r in rs)
+    pairs = sum(suffix_pairs(p, max(r - 1, 0)) for p, rs in zip(prompt_lens, response_lens) for r in rs)
+    return decoder_flops(t, tokens, pairs, tokens)
+
+
+def step_flops(args: ModelArgs, prompt_lens: Sequence[int], grids: Sequence[Sequence[Sequence[int]]],
+               response_lens: Sequence[Sequence[int]], *, serial: bool, has_reference: bool, vision_trains: bool,
+               vision_stage: bool, fused: Sequence[int] = ()) -> dict[str, Flops]:
+    """Model FLOPs of each phase of one GRPO step (the trainer's `flops/<phase>` metrics, which the benchmarks turn
+    into MFU): rollout (the prompts' prefill and the decode), the reference's scoring, training (forward and
+    backward, TRAIN_FACTOR), and the vision stage of a frozen tower in the prefix modes (`vision_stage`: the tower
+    runs once per step and no other phase counts it). Serial scoring runs every sample whole; the prefix modes
+    score suffixes on a prefix per prompt, and in training the prompts whose actor prefix the rollout's prefill
+    computed (`fused`, indices into the prompts) run only that prefix's backward (counted at twice its forward)."""
+    flat = [g for gs in grids for g in gs]
+    prefill = prefill_flops(args, prompt_lens, flat)
+    rollout = prefill + decode_flops(args.text, prompt_lens, response_lens)
+    if serial:
+        scoring = serial_flops(args, prompt_lens, response_lens, grids)
+    else:
+        scoring = decomposed_flops(args, prompt_lens, response_lens, flat)
+    train = scoring.scaled(TRAIN_FACTOR)
+    if not vision_trains:  # a frozen tower runs forward only
+        train.vision = scoring.vision
+    for i in fused:  # the prefix forward ran in the rollout's prefill: its backward is what training adds
+        prefix = prefill_flops(args, [prompt_lens[i]], grids[i], logit_tokens=0)
+        train = train + Flops(prefix.linear, prefix.attention, 0.0, prefix.vision if vision_trains else 0.0).scaled(-1)
+    out = {"rollout": rollout, "train": train}
+    if has_reference:
+        out["ref"] = scoring
+    if vision_stage and not serial:
+        vision = Flops(vision=vision_flops(args.vision, flat))
+        for phase in out.values():
+            phase.vision = 0.0
+        out["vision"] = vision
+    return out

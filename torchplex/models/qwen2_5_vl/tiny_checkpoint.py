@@ -1,4 +1,5 @@
-"""Write a tiny random-weight Qwen2.5-VL checkpoint in Hugging Face format, offline.
+"""Write a random-weight Qwen2.5-VL checkpoint in Hugging Face format, offline: tiny for tests and debug runs, or of
+a published geometry (3B, 7B, ...) with Qwen2.5's real vocabulary for GPU runs of the shipped recipes.
 
 The command line is tools/make_tiny_checkpoint.py; the trainer calls `make_tiny_checkpoint` for debug runs.
 
@@ -8,10 +9,17 @@ tests and debug runs exercise the same loading paths as a real Qwen/Qwen2.5-VL-*
 - tokenizer: byte-level BPE trained here on a synthetic English corpus (counting / colour / shape /
   position questions, `<think>`/`<answer>` text, digits, punctuation), with Qwen2.5's added tokens
   appended after the BPE vocabulary exactly as in the real tokenizer (`<|endoftext|>` first, ...).
-  The corpus does not depend on `--seed`, so every tiny checkpoint shares one tokenizer.
+  The corpus does not depend on `--seed`, so every tiny checkpoint shares one tokenizer. `full_vocab`
+  pads the BPE vocabulary with filler entries to Qwen2.5's 151,643, so the added tokens get the real ids
+  (`<|im_end|>` 151645, `<|image_pad|>` 151655, ...) and the model keeps its flavor's published vocabulary.
 - config: `ModelArgs.to_hf_config()` of `get_flavor(size)`, with the token ids read off the tokenizer.
 - weights: transformers' own initialisation (normal std 0.02, norms one) under a fixed seed, plus
-  random (not zero) biases.
+  random (not zero) biases; with `device` / `dtype` (a large geometry), the native model's initialisation
+  (the same distribution) made on that device in that dtype and written by `weights.save_hf_weights`:
+  seconds on a GPU where the CPU path would take minutes.
+- generation_config.json: Qwen's stop tokens (`<|im_end|>`, `<|endoftext|>`). `mean_response` adds the last
+  vocabulary_size / mean_response ids of the vocabulary: a random model then ends a response after a
+  roughly geometric number of tokens of that mean (most short, a tail to the cap), like RL rollouts.
 - processor: the PIL Qwen2-VL image processor with small pixel budgets (few vision tokens per image),
   plus a `video_preprocessor_config.json` for environments that have torchvision. Without torchvision
   transformers cannot build a video processor at all; `torchplex.data.processing.load_processor`
@@ -40,6 +48,7 @@ NON_SPECIAL_ADDED_TOKENS: tuple[str, ...] = (
 )
 INIT_STD = 0.02  # transformers' default initializer_range, also used for the biases
 TARGET_VOCAB_SIZE = 2048  # BPE merges + added tokens; the model's vocab is this rounded up to 64
+QWEN_BPE_SIZE = 151643  # Qwen2.5's BPE vocabulary: its added tokens start here (<|endoftext|> = 151643)
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 PROCESSOR_CLASS = "Qwen2_5_VLProcessor"
 
@@ -48,6 +57,11 @@ DEFAULT_MIN_PIXELS = 28 * 28 * 4
 DEFAULT_MAX_PIXELS = 28 * 28 * 64
 DEFAULT_VIDEO_MIN_PIXELS = 28 * 28 * 4
 DEFAULT_VIDEO_MAX_PIXELS = 28 * 28 * 16
+# Qwen2.5-VL's published processor budgets (preprocessor_config.json, qwen-vl-utils' video defaults)
+QWEN_MIN_PIXELS = 56 * 56
+QWEN_MAX_PIXELS = 28 * 28 * 16384
+QWEN_VIDEO_MIN_PIXELS = 128 * 28 * 28
+QWEN_VIDEO_MAX_PIXELS = 768 * 28 * 28
 
 # Same split rule as Qwen2's tokenizer (contractions, letter runs with one leading non-letter,
 # single digits, punctuation runs, newlines, whitespace); transformers' Qwen2Tokenizer rebuilds
@@ -139,8 +153,10 @@ def _synthetic_corpus() -> list[str]:
     return lines
 
 
-def train_tokenizer(target_vocab_size: int = TARGET_VOCAB_SIZE):
-    """Byte-level BPE on the synthetic corpus, wrapped as transformers' `Qwen2Tokenizer`."""
+def train_tokenizer(target_vocab_size: int = TARGET_VOCAB_SIZE, full_vocab: bool = False):
+    """Byte-level BPE on the synthetic corpus, wrapped as transformers' `Qwen2Tokenizer`. `full_vocab`: filler
+    entries (byte-level strings no merge produces, decoding to " ~<n>") up to QWEN_BPE_SIZE, so the added tokens
+    take Qwen2.5's ids."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import AddedToken, Qwen2Tokenizer
 
@@ -159,6 +175,9 @@ def train_tokenizer(target_vocab_size: int = TARGET_VOCAB_SIZE):
     model_json = json.loads(bpe.to_str())["model"]
     vocab: dict[str, int] = dict(model_json["vocab"])
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model_json["merges"]]
+    if full_vocab:
+        for filler in range(QWEN_BPE_SIZE - len(vocab)):
+            vocab[f"\u0120~{filler}"] = len(vocab)  # "Ġ" is byte-level BPE's space
     for token in SPECIAL_TOKENS + NON_SPECIAL_ADDED_TOKENS:
         vocab[token] = len(vocab)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>",
@@ -173,10 +192,15 @@ def train_tokenizer(target_vocab_size: int = TARGET_VOCAB_SIZE):
 
 
 def model_args_for(tokenizer, size: str = "debug", tie_word_embeddings: bool | None = None,
-                   window_size: int | None = None) -> ModelArgs:
-    """`get_flavor(size)` with the vocab sized to the tokenizer and token ids taken from it."""
+                   window_size: int | None = None, full_vocab: bool = False) -> ModelArgs:
+    """`get_flavor(size)` with token ids taken from the tokenizer and the vocab sized to it (rounded up to 64), or,
+    `full_vocab`, the flavor's published vocabulary."""
     args = get_flavor(size)
-    args.text.vocab_size = -(-len(tokenizer) // 64) * 64
+    if not full_vocab:
+        args.text.vocab_size = -(-len(tokenizer) // 64) * 64
+    elif args.text.vocab_size < len(tokenizer):
+        raise ValueError(f"flavor {size!r} has a vocabulary of {args.text.vocab_size}, fewer than Qwen2.5's "
+                         f"{len(tokenizer)} tokens: full_vocab is for the published geometries")
     if tie_word_embeddings is not None:
         args.text.tie_word_embeddings = tie_word_embeddings
     if window_size is not None:
@@ -218,14 +242,48 @@ def _write_json(path: Path, obj: dict) -> None:
 class TinyCheckpoint:
     path: Path
     num_params: int
-    vocab_size: int  # model embedding rows (tokenizer size rounded up to 64)
+    vocab_size: int  # model embedding rows (tokenizer size rounded up to 64, or the flavor's published vocabulary)
     tokenizer_size: int
     sharded: bool
 
     def summary(self) -> str:
-        return (f"tiny Qwen2.5-VL checkpoint: {self.path} params={self.num_params:,} "
+        return (f"random Qwen2.5-VL checkpoint: {self.path} params={self.num_params:,} "
                 f"vocab={self.vocab_size} (tokenizer {self.tokenizer_size}) "
                 f"{'sharded' if self.sharded else 'single-file'}")
+
+
+def long_tail_stops(vocab_size: int, mean_response: int) -> list[int]:
+    """The last vocab_size / mean_response ids of the vocabulary: stop tokens that end a random model's response
+    after a roughly geometric number of tokens of that mean (0: none)."""
+    if mean_response <= 0:
+        return []
+    count = max(1, round(vocab_size / mean_response))
+    return list(range(vocab_size - count, vocab_size))
+
+
+def _write_native_weights(output: Path, args: ModelArgs, seed: int, device: str, dtype: str,
+                          max_shard_size: str | int | None) -> int:
+    """The native model's seeded random init (random biases too) made on `device` in `dtype`, written as HF
+    safetensors; returns the parameter count."""
+    import torch
+
+    from .model import Qwen2_5_VLModel
+    from .weights import save_hf_weights
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    with torch.device(device):
+        model = Qwen2_5_VLModel(args).to(torch_dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    model.init_weights(std=INIT_STD, generator=generator)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, INIT_STD, generator=generator)
+    if isinstance(max_shard_size, str):
+        from transformers.utils import convert_file_size_to_int
+        max_shard_size = convert_file_size_to_int(max_shard_size)
+    save_hf_weights(model, output, max_shard_bytes=max_shard_size)
+    return sum(p.numel() for p in model.parameters())
 
 
 def make_tiny_checkpoint(
@@ -235,40 +293,57 @@ def make_tiny_checkpoint(
     tie_word_embeddings: bool | None = None,
     window_size: int | None = None,
     max_shard_size: str | int | None = None,
-    min_pixels: int = DEFAULT_MIN_PIXELS,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
-    video_min_pixels: int = DEFAULT_VIDEO_MIN_PIXELS,
-    video_max_pixels: int = DEFAULT_VIDEO_MAX_PIXELS,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    video_min_pixels: int | None = None,
+    video_max_pixels: int | None = None,
     weights: bool = True,
+    full_vocab: bool = False,
+    device: str | None = None,
+    dtype: str = "float32",
+    mean_response: int = 0,
 ) -> TinyCheckpoint:
     """Write tokenizer, processor, config and seeded random weights to `output`; returns a summary.
 
-    `weights=False` writes everything but the weights: a folder for SGLang's `load_format="dummy"` and random-init
-    models of a large geometry (`--size 7B` in fp32 would be ~30 GB to write and read back).
+    `weights=False` writes everything but the weights: a folder for SGLang's `load_format="dummy"`.
+    `full_vocab`: Qwen2.5's real vocabulary and token ids, the flavor's published vocab size, and the processors'
+    published pixel budgets (unless given); for a published geometry (`size="7B"`). `device` / `dtype`
+    ("float32" or "bfloat16"): the weights made there in that dtype by the native model (a 7B checkpoint in bf16
+    on a GPU: seconds); without them transformers makes them on the CPU in float32. `mean_response`: stop
+    tokens for long-tailed random responses (`long_tail_stops`).
 
-    `max_shard_size` (e.g. "200KB") writes `model.safetensors.index.json` plus shards; None writes a
-    single `model.safetensors`. `tie_word_embeddings`/`window_size` override the flavor's values.
+    `max_shard_size` (e.g. "200KB"; bytes with `device`) writes `model.safetensors.index.json` plus shards; None
+    writes a single `model.safetensors`. `tie_word_embeddings`/`window_size` override the flavor's values.
     """
     import torch
     from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    published = full_vocab  # the processors' pixel budgets: Qwen's own, or the tiny ones
+    min_pixels = min_pixels or (QWEN_MIN_PIXELS if published else DEFAULT_MIN_PIXELS)
+    max_pixels = max_pixels or (QWEN_MAX_PIXELS if published else DEFAULT_MAX_PIXELS)
+    video_min_pixels = video_min_pixels or (QWEN_VIDEO_MIN_PIXELS if published else DEFAULT_VIDEO_MIN_PIXELS)
+    video_max_pixels = video_max_pixels or (QWEN_VIDEO_MAX_PIXELS if published else DEFAULT_VIDEO_MAX_PIXELS)
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer()
-    args = model_args_for(tokenizer, size, tie_word_embeddings, window_size)
+    tokenizer = train_tokenizer(full_vocab=full_vocab)
+    args = model_args_for(tokenizer, size, tie_word_embeddings, window_size, full_vocab=full_vocab)
 
     hf_config = args.to_hf_config()
-    hf_config["dtype"] = "float32"
+    hf_config["dtype"] = dtype
     # transformers 5 validates `tokens_per_second` as int (Qwen's own configs write 2, not 2.0).
     tps = hf_config["vision_config"]["tokens_per_second"]
     if float(tps).is_integer():
         hf_config["vision_config"]["tokens_per_second"] = int(tps)
     config = Qwen2_5_VLConfig(**hf_config)
-    generation = GenerationConfig(
+    generation = GenerationConfig(  # Qwen stops on <|im_end|> or <|endoftext|>
         bos_token_id=args.bos_token_id, pad_token_id=args.pad_token_id,
-        eos_token_id=[args.eos_token_id, args.bos_token_id])  # Qwen stops on <|im_end|> or <|endoftext|>
-    if weights:
+        eos_token_id=[args.eos_token_id, args.bos_token_id] + long_tail_stops(args.text.vocab_size, mean_response))
+    if weights and (device is not None or dtype != "float32"):
+        num_params = _write_native_weights(output, args, seed, device or "cpu", dtype, max_shard_size)
+        config.save_pretrained(output)
+        generation.save_pretrained(output)
+    elif weights:
         with torch.random.fork_rng(devices=[]):  # seed locally: the caller's CPU RNG stream is untouched
             torch.manual_seed(seed)
             model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
@@ -280,9 +355,10 @@ def make_tiny_checkpoint(
         model.generation_config = generation
         save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
         model.save_pretrained(output, safe_serialization=True, **save_kwargs)
+        num_params = sum(p.numel() for p in model.parameters())
     else:
         with torch.device("meta"):  # only to count the parameters
-            model = Qwen2_5_VLForConditionalGeneration(config)
+            num_params = sum(p.numel() for p in Qwen2_5_VLForConditionalGeneration(config).parameters())
         config.save_pretrained(output)
         generation.save_pretrained(output)
     # transformers 5.12 (what SGLang 0.5.17 needs) saves the token ids only in text_config; Hub Qwen2.5-VL configs,
@@ -307,6 +383,6 @@ def make_tiny_checkpoint(
     _write_json(output / "video_preprocessor_config.json",
                 _video_processor_config(args, video_min_pixels, video_max_pixels))
 
-    return TinyCheckpoint(path=output, num_params=sum(p.numel() for p in model.parameters()),
+    return TinyCheckpoint(path=output, num_params=num_params,
                           vocab_size=args.text.vocab_size, tokenizer_size=len(tokenizer),
                           sharded=(output / "model.safetensors.index.json").is_file())
