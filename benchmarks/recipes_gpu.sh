@@ -8,15 +8,19 @@
 # Then, with the folder each target needs carried (each installs what the image lacks into /tmp/site, kept while
 # the machine stays warm):
 #   run(carry=[".whl1"], needs_h200=true, command="bash benchmarks/recipes_gpu.sh 7b")
-#       # qwen2_5_vl_7b with model.compile on (3 steps, save, resume + export), the scale_bench row of the same
-#       # settings (the benchmark is the product: both from run_train.sh, side by side), then compile off (3 steps)
-#   run(carry=[".whl1"], command="bash benchmarks/recipes_gpu.sh 3b-video")    # qwen2_5_vl_3b, video_reasoning_7b
-#   run(carry=[".whl2"], command="bash benchmarks/recipes_gpu.sh parquet")     # clevr_count_7b, geometry3k_7b
+#       # qwen2_5_vl_7b with model.compile on (3 steps, save, resume + export), then the scale_bench row of the same
+#       # settings (the benchmark is the product: both from run_train.sh, side by side)
+#   run(carry=[".whl1"], needs_h200=true, command="bash benchmarks/recipes_gpu.sh 7b-off-3b")
+#       # qwen2_5_vl_7b with model.compile off (3 steps), qwen2_5_vl_3b (the cycle)
+#   run(carry=[".whl1"], needs_h200=true, command="bash benchmarks/recipes_gpu.sh video")   # video_reasoning_7b
+#   run(carry=[".whl2"], needs_h200=true, command="bash benchmarks/recipes_gpu.sh parquet") # clevr_count_7b,
+#                                                                                            # geometry3k_7b
 # Results land in $OUT (recipes-<date>-<target>.json, scale-<date>-<target>.json, the logs); commit the JSON under
 # benchmarks/results/ (../shared/RESULTS.md).
 #
-# Where things go: the input checkpoints and run folders (HF exports) in /dev/shm, training checkpoints on the disk
-# (a 7B checkpoint with its AdamW state is ~50 GB, the machine's disk 64 GB); recipes.py checks the room first.
+# Where things go: the input checkpoints and run folders (HF exports) in memory (/dev/shm when it has 40 GB free),
+# training checkpoints on the disk (a 7B checkpoint with its AdamW state is ~50 GB, the machine's disk 64 GB);
+# recipes.py checks the room first.
 # What differs from the recipes, for the device-time budget of a call: 16 prompts per step, 512 new tokens at most,
 # 16 eval prompts (SET below; recorded in every row).
 set -euo pipefail
@@ -27,7 +31,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:0:0 PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 stamp=$(date -u +%Y%m%d)
 SET=(--set data.prompts_per_step=16 --set rollout.max_new_tokens=512 --set data.eval_prompts=16)
-PLACES=(--ckpt-root /dev/shm/ckpt --work /dev/shm/recipes --save-root /tmp/recipes-save)
+MEM=/dev/shm
+[ "$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1 | tr -d ' ')" -ge 40 ] 2>/dev/null || MEM=/tmp
+PLACES=(--ckpt-root "$MEM/ckpt" --work "$MEM/recipes" --save-root /tmp/recipes-save)
 
 install() {  # the carried wheels whose package the image lacks
   local dir=$1; shift
@@ -53,8 +59,9 @@ EOF
 
 recipes() {  # target, then recipes.py arguments
   local target=$1; shift
-  timeout -k 10 "${RECIPES_S:-560}" python3 benchmarks/recipes.py "${SET[@]}" "${PLACES[@]}" --run-timeout-s 420 \
-    --watchdog-s "${RECIPES_S:-560}" --out "$OUT/recipes-$stamp-$target.json" "$@" 2>&1 | tee -a "$OUT/recipes-$target.log"
+  timeout -k 10 "${RECIPES_S:-560}" python3 benchmarks/recipes.py "${SET[@]}" "${PLACES[@]}" \
+    --run-timeout-s "${RECIPES_S:-560}" \
+    --watchdog-s "${RECIPES_S:-560}" --out "$OUT/recipes-$stamp-$target.json" "$@" 2>&1 | tee -a "$OUT/recipes-$target.log" || true
 }
 
 case "${1:-}" in
@@ -68,19 +75,21 @@ case "${1:-}" in
     du -sh .whl1 .whl2 ;;
   7b)
     install .whl1 tensorboard=tensorboard absl=absl_py google.protobuf=protobuf
-    RECIPES_S=300 recipes 7b --recipe qwen2_5_vl_7b --compile on
-    timeout -k 10 130 python3 benchmarks/scale_bench.py --config train_configs/qwen2_5_vl_7b.toml --workload img \
-      --prompts 16 --modes decomposed --repeats 2 --set model.compile=true "${SET[@]}" \
-      --work /dev/shm/scale --ckpt-root /dev/shm/ckpt --watchdog-s 125 --out "$OUT/scale-$stamp-7b-recipe.json" \
-      2>&1 | tee -a "$OUT/scale-7b.log" || true
-    RECIPES_S=150 recipes 7b --recipe qwen2_5_vl_7b --compile off --no-cycle ;;
-  3b-video)
+    RECIPES_S=400 recipes 7b --recipe qwen2_5_vl_7b --compile on
+    timeout -k 10 150 python3 benchmarks/scale_bench.py --config train_configs/qwen2_5_vl_7b.toml --workload img \
+      --prompts 16 --modes decomposed --repeats 2 --set model.compile=true "${SET[@]}" --work "$MEM/scale" \
+      --ckpt-root "$MEM/ckpt" --watchdog-s 145 --out "$OUT/scale-$stamp-7b-recipe.json" 2>&1 | tee -a "$OUT/scale-7b.log" ;;
+  7b-off-3b)
+    install .whl1 tensorboard=tensorboard absl=absl_py google.protobuf=protobuf
+    RECIPES_S=200 recipes 7b-off --recipe qwen2_5_vl_7b --compile off --no-cycle
+    RECIPES_S=360 recipes 3b --recipe qwen2_5_vl_3b ;;
+  video)
     install .whl1 tensorboard=tensorboard absl=absl_py google.protobuf=protobuf av=av
-    recipes 3b-video --recipe qwen2_5_vl_3b --recipe video_reasoning_7b ;;
+    recipes video --recipe video_reasoning_7b ;;
   parquet)
     install .whl2 pyarrow=pyarrow datasets=datasets dill=dill multiprocess=multiprocess xxhash=xxhash fsspec=fsspec \
       math_verify=math_verify latex2sympy2_extended=latex2sympy2_extended antlr4=antlr4_python3_runtime
     recipes parquet --recipe clevr_count_7b --recipe geometry3k_7b ;;
   *)
-    echo "usage: $0 wheels | 7b | 3b-video | parquet" >&2; exit 2 ;;
+    echo "usage: $0 wheels | 7b | 7b-off-3b | video | parquet" >&2; exit 2 ;;
 esac

@@ -271,8 +271,9 @@ def _write_native_weights(output: Path, args: ModelArgs, seed: int, device: str,
     from .weights import save_hf_weights
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    with torch.device(device):
+    with torch.device("meta"):  # storage made once, in its dtype, on its device
         model = Qwen2_5_VLModel(args).to(torch_dtype)
+    model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     model.init_weights(std=INIT_STD, generator=generator)
     with torch.no_grad():
