@@ -64,6 +64,11 @@ recipes() {  # target, then recipes.py arguments
     --watchdog-s "${RECIPES_S:-560}" --out "$OUT/recipes-$stamp-$target.json" "$@" 2>&1 | tee -a "$OUT/recipes-$target.log" || true
 }
 
+keep_logs() {  # every run's own log, one archive ($OUT takes few files)
+  tar czf "$OUT/runlogs-$1.tgz" -C "$MEM" $(cd "$MEM" && ls -d recipes/*.log scale/*.log 2>/dev/null) 2>/dev/null || true
+}
+trap 'keep_logs "${1:-none}"' EXIT
+
 case "${1:-}" in
   wheels)  # on the dev machine: the packages for CPython 3.12 manylinux (the GPU image's)
     dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
