@@ -154,3 +154,54 @@ def test_auto_processor_loads_when_torchvision_is_installed(tiny_ckpt):
     else:
         with pytest.raises(ImportError, match="[Tt]orchvision"):
             AutoProcessor.from_pretrained(tiny_ckpt)
+
+
+# ---- published geometries (tools/make_tiny_checkpoint.py --size 7B --full-vocab ...) -----------------------------
+QWEN_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652,
+            "<|vision_end|>": 151653, "<|image_pad|>": 151655, "<|video_pad|>": 151656, "<tool_call>": 151657,
+            "<|file_sep|>": 151664}  # Qwen/Qwen2.5-VL-7B-Instruct's tokenizer.json
+
+
+@pytest.mark.parametrize("size, vocab", [("3B", 151936), ("7B", 152064)])
+def test_full_vocab_checkpoint_has_qwens_token_ids_and_the_published_vocab(tmp_path, size, vocab):
+    ckpt = make_tiny_checkpoint(tmp_path, size=size, full_vocab=True, weights=False, mean_response=256)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tokenizer) == 151665 and ckpt.vocab_size == vocab
+    assert {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_IDS} == QWEN_IDS
+    args = ModelArgs.from_hf_dir(tmp_path)
+    assert (args.text.vocab_size, args.image_token_id, args.eos_token_id) == (vocab, 151655, 151645)
+    assert dataclasses.replace(args.text, vocab_size=0) == dataclasses.replace(get_flavor(size).text, vocab_size=0)
+    # the published processor budgets, and the text round-trips through the real-size tokenizer
+    image = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    assert (image["size"]["shortest_edge"], image["size"]["longest_edge"]) == (56 * 56, 28 * 28 * 16384)
+    ids = tokenizer("How many circles? <answer>3</answer>").input_ids
+    assert tokenizer.decode(ids) == "How many circles? <answer>3</answer>" and max(ids) < 151643
+    # Qwen's two stop tokens first, then vocab / 256 ids for long-tailed random responses
+    eos = json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"]
+    assert eos[:2] == [151645, 151643] and len(eos) == 2 + round(vocab / 256) and eos[-1] == vocab - 1
+
+
+def test_native_bf16_weights_load_the_same_in_transformers_and_torchplex(tmp_path):
+    """--device/--dtype: the native model's init written by save_hf_weights (HF names, bf16), random biases too."""
+    from torchplex.models.qwen2_5_vl.build import build_model
+
+    make_tiny_checkpoint(tmp_path, dtype="bfloat16", device="cpu", seed=3)
+    state = _safetensors_state(tmp_path)
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    native = build_model(hf_dir=tmp_path, dtype=torch.bfloat16)
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert torch.equal(native.layers[1].attention.wq.bias, hf.model.language_model.layers[1].self_attn.q_proj.bias)
+    assert native.layers[1].attention.wq.bias.abs().sum() > 0  # random, not zero
+    assert abs(float(native.tok_embeddings.weight.float().std()) - INIT_STD) < 0.002
+
+
+def test_trainer_stops_on_the_checkpoints_generation_config_eos_ids(tmp_path):
+    from torchplex.train import stop_token_ids
+
+    make_tiny_checkpoint(tmp_path, weights=False, mean_response=64)
+    eos = json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert stop_token_ids(tmp_path, im_end) == eos and len(eos) > 2
+    (tmp_path / "generation_config.json").unlink()
+    assert stop_token_ids(tmp_path, im_end) == [im_end]
