@@ -95,10 +95,11 @@ def recipe_rows(a, recipe: str) -> list[dict]:
         return [dict(base, compile=toml["model"]["compile"], error=f"not run: {room}")]
     ckpt = random_checkpoint(a.ckpt_root, flavor, a.mean_response, smoke=a.smoke)
     data = data_overrides(a, recipe, RECIPES[recipe])
-    common = [f"--model.hf_checkpoint={ckpt}", *data, *(f"--{kv}" for kv in a.set)]
+    sets = [(kv.split("::")[0], kv.split("::")[1] if "::" in kv else a.set_reason) for kv in a.set]
+    common = [f"--model.hf_checkpoint={ckpt}", *data, *(f"--{kv}" for kv, _ in sets)]
     overrides = {"model.hf_checkpoint": "a random checkpoint of the recipe's geometry (no hub)",
                  **{d.split("=")[0][2:]: "local data in the recipe's format" for d in data},
-                 **{kv.split("=")[0]: a.set_reason for kv in a.set},
+                 **{kv.split("=")[0]: reason for kv, reason in sets},
                  "training.steps": f"{a.steps} GRPO steps, then a resumed run of one more",
                  "checkpoint.interval": "a checkpoint at the last step of the first run"}
     save = [f"--checkpoint.folder={Path(a.save_root) / recipe}", "--checkpoint.keep_latest_k=1"]
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="no checkpoint save, resume and export: the GRPO steps alone")
     p.add_argument("--steps", type=int, default=3, help="GRPO steps of the first run (the resumed run adds one)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override for every run, e.g. data.prompts_per_step=16 (recorded in the rows)")
+                   help="a config override for every run, e.g. data.prompts_per_step=16, recorded in the rows with "
+                        "--set-reason or its own after '::' (rollout.kv_pool_gib=16::an H100's 80 GB)")
     p.add_argument("--set-reason", default="the device-time budget of one benchmark call",
                    help="why the --set values differ from the recipe (recorded in the rows)")
     p.add_argument("--mean-response", type=int, default=256, help="random responses' mean length (stop tokens)")
