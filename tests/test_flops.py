@@ -78,3 +78,32 @@ def test_matches_flop_counter_mode(grid):
     # The causal count the MFU uses is the lower triangle of that square.
     causal = prefill_flops(a, [length], [grid], logit_tokens=logit_tokens)
     assert causal.total == pytest.approx(expected - 4 * 128 * 4 * (length * length - causal_pairs(length)), rel=1e-9)
+
+
+def test_step_flops_per_phase_follow_each_modes_work():
+    """step_flops (the trainer's flops/<phase>_tflop): serial training is 3x its reference scoring (vision included
+    for a trainable tower); the prefix modes score one prefix per prompt; a prompt fused into the rollout prefill
+    leaves training only its prefix's backward; a frozen tower in the prefix modes is the vision stage's alone;
+    rollout = the prefill plus decoding every response token but the first."""
+    from torchplex.components.flops import Flops, decode_flops, step_flops
+
+    a = debug_args()
+    lens, grids, responses = [20, 30], [[(1, 4, 8)], [(1, 8, 8)]], [[3, 5], [1, 4]]
+    flat = [g for gs in grids for g in gs]
+    kw = dict(has_reference=True, vision_trains=True, vision_stage=False)
+    serial = step_flops(a, lens, grids, responses, serial=True, **kw)
+    assert serial["ref"].total == serial_flops(a, lens, responses, grids).total
+    assert serial["train"].total == pytest.approx(TRAIN_FACTOR * serial["ref"].total)
+    rollout = prefill_flops(a, lens, flat) + decode_flops(a.text, lens, responses)
+    assert serial["rollout"].total == rollout.total
+    assert decode_flops(a.text, lens, responses).linear == 2.0 * (2 + 4 + 0 + 3) * 4 * decoder_layer_weights(a.text)
+    prefix = step_flops(a, lens, grids, responses, serial=False, **kw)
+    assert prefix["ref"].total == decomposed_flops(a, lens, responses, flat).total < serial["ref"].total
+    fused = step_flops(a, lens, grids, responses, serial=False, fused=[1], **kw)
+    one = prefill_flops(a, [30], grids[1], logit_tokens=0)
+    assert prefix["train"].total - fused["train"].total == pytest.approx(one.total)
+    frozen = step_flops(a, lens, grids, responses, serial=False, has_reference=False, vision_trains=False,
+                        vision_stage=True)
+    assert "ref" not in frozen and frozen["vision"].total == vision_flops(a.vision, flat) > 0
+    assert all(frozen[p].vision == 0 for p in ("rollout", "train"))
+    assert isinstance(frozen["train"], Flops)

@@ -59,3 +59,38 @@ def test_recipe_reads_its_dataset_shape_and_rewards_a_correct_answer(tmp_path, r
     get_reward(cfg.reward.correct)  # resolves
     total, parts = combine_rewards([response], [record.answer], cfg.reward.functions, cfg.reward.weights)
     assert all(v == [1.0] for v in parts.values()) and total == [pytest.approx(sum(cfg.reward.weights))]
+
+
+@pytest.mark.parametrize("recipe, fmt, response", [
+    ("geometry3k_7b.toml", "geometry3k", "<think>count</think><answer>\\boxed{{{n}}}</answer>"),
+    ("clevr_count_7b.toml", "clevr_count", "<think>count</think><answer>{n}</answer>"),
+    ("video_reasoning_7b.toml", "video_qa", "<think>count</think><answer>{letter}</answer>"),
+])
+def test_recipe_data_tool_writes_the_recipes_own_format(tmp_path, recipe, fmt, response):
+    """tools/make_recipe_data.py (the GPU runs' data): the recipe's keys read every row, with its image or video,
+    and the recipe's rewards give the row's true count full marks (geometry3k's answer is LaTeX, sqrt(n^2))."""
+    import sys
+
+    sys.path.insert(0, str(CONFIGS.parent))
+    from tools.make_recipe_data import LETTERS, make_recipe_data
+
+    cfg = load_config(["--job.config_file", str(CONFIGS / recipe)])
+    keys = make_recipe_data(fmt, tmp_path, num_train=4, num_eval=2, size=56, frames=4)
+    train, held_out = load_records([keys["train_files"]], keys_of(cfg)), load_records([keys["eval_files"]], keys_of(cfg))
+    assert (len(train), len(held_out)) == (4, 2)
+    for record in train:
+        assert (len(record.images), len(record.videos)) == ((0, 1) if fmt == "video_qa" else (1, 0))
+        if fmt == "geometry3k":
+            assert record.prompt.startswith("<image>") and record.answer.startswith("\\sqrt{")
+            n = round(int(record.answer[6:-1]) ** 0.5)
+        elif fmt == "clevr_count":
+            n = int(record.answer)
+        else:
+            n = LETTERS.index(record.answer.removeprefix("<answer>")[0]) + 1
+        text = response.format(n=n, letter=LETTERS[n - 1])
+        total, parts = combine_rewards([text], [record.answer], cfg.reward.functions, cfg.reward.weights)
+        assert all(v == [1.0] for v in parts.values()), (record.answer, text, parts)
+    # written once per set of arguments: a second call reuses the files
+    stamp = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    make_recipe_data(fmt, tmp_path, num_train=4, num_eval=2, size=56, frames=4)
+    assert stamp == {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}

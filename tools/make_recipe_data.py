@@ -37,7 +37,9 @@ LETTERS = "ABCD"
 def _parquet(records, folder: Path, path: Path, answer) -> None:
     """The records as a Parquet shard of problem / answer / images (PNG bytes as datasets Image values)."""
     from datasets import Dataset, Features, Image, Sequence, Value
+    from datasets.utils.logging import disable_progress_bar
 
+    disable_progress_bar()
     rows = {"problem": [], "answer": [], "images": []}
     for r in records:
         question = r.prompt.split(" Put the final answer")[0]
