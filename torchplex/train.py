@@ -492,7 +492,7 @@ class Trainer:
     def _decode_counters(self) -> dict[str, float]:
         """The native engine's running decode counters (seconds, steps, tokens generated); none for SGLang."""
         stats = getattr(self.engine, "stats", None)
-        if stats is None:
+        if not hasattr(stats, "decode_steps"):  # SGLang's engine keeps no decode-loop counters
             return {}
         return {"rollout/decode_s": stats.decode_s, "rollout/decode_steps": float(stats.decode_steps),
                 "rollout/generated_tokens": float(stats.generated_tokens)}
