@@ -37,7 +37,7 @@ from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.logprob_mismatch import mismatch_sums
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.decomposition import DecomposedScorer
-from torchplex.runtime.grpo_step import Experience, padded_outputs
+from torchplex.runtime.experience import Experience, padded_outputs
 from torchplex.runtime.scoring import SerialScorer
 
 PHASES = ("prefill", "vision", "reference", "train")

@@ -34,7 +34,8 @@ from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel  # noqa: E402
 from torchplex.rl.advantages import compute_advantages  # noqa: E402
 from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
 from torchplex.runtime.decomposition import DecomposedScorer  # noqa: E402
-from torchplex.runtime.grpo_step import Experience, reference_phase, train_phase  # noqa: E402
+from torchplex.runtime.experience import Experience, reference_phase  # noqa: E402
+from torchplex.runtime.training import train_phase  # noqa: E402
 from torchplex.runtime.scoring import SerialScorer  # noqa: E402
 
 VS, IMG, VE = 151652, 151655, 151653

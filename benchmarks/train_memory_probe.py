@@ -42,7 +42,7 @@ from torchplex.models.qwen2_5_vl.args import ModelArgs, TextArgs, VisionArgs, ge
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing  # noqa: E402
 from torchplex.rl.losses import PolicyLossConfig  # noqa: E402
 from torchplex.runtime.decomposition import DecomposedScorer  # noqa: E402
-from torchplex.runtime.grpo_step import train_phase  # noqa: E402
+from torchplex.runtime.training import train_phase  # noqa: E402
 
 # 7B's proportions scaled down: vocab/hidden 42 (LM head dominates the logits path), intermediate/hidden 5.3.
 PROBE = ModelArgs(

@@ -12,9 +12,12 @@ from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointi
 from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
-from torchplex.runtime.executor import StepRunner, StepSettings
 from torchplex.components.peak_memory import PeakWindows
-from torchplex.runtime.planner import PlanOptions
+from torchplex.runtime.build import footprint
+from torchplex.runtime.memory_estimate import MemoryEstimator
+from torchplex.runtime.plan import PlanOptions
+from torchplex.runtime.settings import StepSettings
+from torchplex.runtime.step import GRPOStep
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -25,11 +28,26 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+def grpo_step(actor, reference, engine, optimizer, tokenizer, settings: StepSettings, *, dp_size: int = 1,
+              dp_group=None, windows: PeakWindows | None = None) -> GRPOStep:
+    """A GRPOStep with its memory estimate, as runtime/build.py makes one from a config; `windows` stands in for the
+    allocator's counters (measured steps on CPU)."""
+    device = next(actor.parameters()).device
+    memory = MemoryEstimator(footprint(actor, reference, engine, settings, dp_size), engine, device,
+                             measured=windows is not None or device.type == "cuda",
+                             trainable=[p for p in actor.parameters() if p.requires_grad])
+    step = GRPOStep(actor, reference, engine, optimizer, None, tokenizer, settings, memory, dp_size=dp_size,
+                    dp_group=dp_group)
+    if windows is not None:
+        step.windows = windows
+    return step
+
+
 def cpu_runner(setup, mode: str, *, budget: int, micro_batch: int, kv_pool: int, checkpointed: bool = False,
-               plan_options: dict | None = None, **settings) -> StepRunner:
-    """A StepRunner of `mode` on a copy of the setup's actor (checkpointed blocks if asked) and reference, a
+               plan_options: dict | None = None, windows: PeakWindows | None = None, **settings) -> GRPOStep:
+    """A GRPOStep of `mode` on a copy of the setup's actor (checkpointed blocks if asked) and reference, a
     memory budget of `budget` bytes (0: the device's), SGD at lr 0.1; `plan_options` go to PlanOptions, `settings`
-    to StepSettings."""
+    to StepSettings; `windows`: scripted allocator counters (a measured step on CPU)."""
     processor, prompts, base, reference = setup
     actor = copy.deepcopy(base)
     if checkpointed:
@@ -40,10 +58,11 @@ def cpu_runner(setup, mode: str, *, budget: int, micro_batch: int, kv_pool: int,
                                  grad_clip=1e9, loss=PolicyLossConfig(kl_coef=0.1),
                                  plan=PlanOptions(mode=mode, memory_budget_bytes=budget, **(plan_options or {})),
                                  **settings)
-    return StepRunner(actor, copy.deepcopy(reference), engine, optimizer, None, processor.tokenizer, step_settings)
+    return grpo_step(actor, copy.deepcopy(reference), engine, optimizer, processor.tokenizer, step_settings,
+                     windows=windows)
 
 
-def run_recording(runner: StepRunner, setup, module: torch.nn.Module, record):
+def run_recording(runner: GRPOStep, setup, module: torch.nn.Module, record):
     """One step over the setup's prompts (4 samples of up to 6 tokens each), with `record(args)` called before every
     forward of `module`; returns the step's output."""
     prompts, tokenizer = setup[1], setup[0].tokenizer

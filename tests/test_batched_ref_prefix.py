@@ -10,7 +10,8 @@ import torch
 
 from step_runners import cpu_runner, run_recording
 from torchplex.rollout.sampling import SamplingParams
-from torchplex.runtime.overlap import PrefixStore, hold_prefixes, length_groups
+from torchplex.data.batching import length_groups
+from torchplex.runtime.prefixes import PrefixStore, hold_prefixes, prompt_length
 from torchplex.runtime.decomposition import DecomposedScorer
 
 
@@ -44,22 +45,22 @@ def test_batched_reference_prefixes_score_the_same_in_one_forward_per_length_gro
     base, base_calls = step(setup, mode, False)
     got, calls = step(setup, mode, True)
     prompts = setup[1]
-    assert not base.schedule.ref_prefix_batched and got.schedule.ref_prefix_batched
+    assert not base.plan.ref_prefix_batched and got.plan.ref_prefix_batched
     assert base_calls == [1] * len(prompts)  # micro-batch 4 = one prompt's group: one prefix forward each
-    assert calls == [len(g) for g in length_groups(prompts)] and len(calls) < len(prompts)
+    assert calls == [len(g) for g in length_groups(prompts, length=prompt_length)] and len(calls) < len(prompts)
     mask = base.experience.mask
     assert torch.equal(got.experience.tokens, base.experience.tokens)
     ref, new = base.experience.ref_logprobs[mask], got.experience.ref_logprobs[mask]
     assert ((new - ref).abs().max() / ref.abs().max()).item() < 1e-5
     assert abs(got.train.stats.loss - base.train.stats.loss) <= 1e-5 * abs(base.train.stats.loss) + 1e-9
     assert len(got.prefixes) == 0  # every held reference prefix was taken by its micro-batch
-    assert any("reference prefixes batched" in r for r in got.schedule.reasons)
+    assert any("reference prefixes batched" in r for r in got.plan.reasons)
 
 
 def test_a_reference_micro_batch_smaller_than_a_group_keeps_one_prefix_per_micro_batch(setup):
     out, calls = step(setup, "decomposed", True, ref_micro_batch_size=2)  # groups of 4 scored in halves
-    assert not out.schedule.ref_prefix_batched
-    assert any("not batched: reference micro-batches of 2 < a group's 4" in r for r in out.schedule.reasons)
+    assert not out.plan.ref_prefix_batched
+    assert any("not batched: reference micro-batches of 2 < a group's 4" in r for r in out.plan.reasons)
     assert calls == [1] * (2 * len(setup[1]))  # each half runs its prompt's prefix, as before
 
 
@@ -67,11 +68,11 @@ def test_the_budget_counts_every_reference_prefix_in_the_ref_stage(setup):
     runner = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=4, kv_pool=2 * 2**20)
     prompts, params = setup[1], SamplingParams(n=4, max_new_tokens=6)
     shape = runner.shape(prompts, params)
-    budget = runner.memory_budget(shape, params)
+    budget = runner.memory.estimate(shape, runner.settings.plan)
     assert budget.residents["ref"]["ref_prefix_kv"] == shape.kv_bytes_per_token * shape.prefix_tokens > 0
     unbatched = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=4, kv_pool=2 * 2**20,
                            plan_options={"batched_ref_prefix": False})
-    assert "ref_prefix_kv" not in unbatched.memory_budget(unbatched.shape(prompts, params), params).residents["ref"]
+    assert "ref_prefix_kv" not in unbatched.memory.estimate(unbatched.shape(prompts, params), unbatched.settings.plan).residents["ref"]
 
 
 def test_hold_prefixes_splits_a_group_by_tokens_and_holds_the_same_states(setup):

@@ -1,5 +1,5 @@
-"""runtime/build.py: the one function that turns a Config into the step runtime, used by the trainer and every
-benchmark (issue 17: StepRunner was wired by hand in train.py and five benchmark places, so they drifted)."""
+"""runtime/build.py: the one function that turns a Config into the step runtime, used by the trainer, which every
+benchmark runs (a step wired by hand in the trainer and in benchmarks drifted from it)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 
 from torchplex.config import load_config
 from torchplex.rollout.engine import RolloutEngine
+from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.build import build_step_runtime, step_settings
 
 REPO = Path(__file__).resolve().parents[1]
-BY_HAND = {"StepRunner", "StepSettings", "PlanOptions"}
+BY_HAND = {"GRPOStep", "StepSettings", "PlanOptions", "MemoryEstimator"}
 
 
 def constructed(path: Path) -> set[str]:
@@ -28,16 +29,18 @@ def constructed(path: Path) -> set[str]:
     return calls
 
 
-def test_no_benchmark_or_trainer_wires_the_step_runner_by_hand():
+def test_no_benchmark_or_trainer_builds_the_step_by_hand():
+    """The trainer builds its step with runtime.build, and a benchmark runs the trainer (benchmarks/product_run.py):
+    none constructs the step or its settings itself."""
     files = sorted((REPO / "benchmarks").rglob("*.py")) + [REPO / "torchplex" / "train.py"]
     offenders = {str(p.relative_to(REPO)): sorted(c) for p in files if (c := constructed(p))}
-    assert not offenders, f"build the step runtime with torchplex.runtime.build.build_step_runtime: {offenders}"
+    assert not offenders, f"build the step with torchplex.runtime.build.build_step_runtime: {offenders}"
 
 
-def test_the_check_sees_a_hand_built_runner(tmp_path):
+def test_the_check_sees_a_hand_built_step(tmp_path):
     probe = tmp_path / "bench.py"
-    probe.write_text("from torchplex.runtime import executor\nr = executor.StepRunner(1, 2)\ns = StepSettings([], [])\n")
-    assert constructed(probe) == {"StepRunner", "StepSettings"}
+    probe.write_text("from torchplex.runtime import step\nr = step.GRPOStep(1, 2)\ns = StepSettings([], [])\n")
+    assert constructed(probe) == {"GRPOStep", "StepSettings"}
 
 
 def test_step_settings_follow_the_config():
@@ -54,8 +57,8 @@ def test_step_settings_follow_the_config():
 
 
 @pytest.mark.parametrize("frozen", [True, False])
-def test_managed_memory_plans_the_stages_of_the_runners_schedule(grpo_assets, frozen):
-    """The memory plan's phases are the schedule's stages (they were a list in train.py, without "vision")."""
+def test_managed_memory_plans_the_stages_of_the_steps_plan(grpo_assets, frozen):
+    """The residency plan's phases are the stages every step of this runtime runs."""
     import copy
 
     import torch
@@ -68,28 +71,12 @@ def test_managed_memory_plans_the_stages_of_the_runners_schedule(grpo_assets, fr
     runner = build_step_runtime(cfg, actor, reference, RolloutEngine(actor, kv_pool_bytes=2**20), optimizer, None,
                                 grpo_assets.processor.tokenizer)
     stages = ["vision", "rollout", "ref", "train"] if frozen else ["rollout", "ref", "train"]
-    assert runner.stages() == stages
-    assert [row.phase for row in runner.memory.plan.phases] == stages
+    prompts, params = grpo_assets.prompts, SamplingParams(n=2, max_new_tokens=4)
+    assert [str(s) for s in runner.plan(prompts, params).stages()] == stages  # what the step runs
+    assert [row.phase for row in runner.residency.plan.phases] == stages
     # every group the trainer's step touches is planned: the KV pool (released and resumed through the engine) and
     # the gradients (counted in train) as well as the reference weights and the optimizer state
-    assert {g.name for g in runner.memory.plan.groups} == {"optimizer_state", "grads", "kv_pool", "ref_weights"}
-    rows = {row.phase: row for row in runner.memory.plan.phases}
+    assert {g.name for g in runner.residency.plan.groups} == {"optimizer_state", "grads", "kv_pool", "ref_weights"}
+    rows = {row.phase: row for row in runner.residency.plan.phases}
     assert "kv_pool" in rows["rollout"].resident and "kv_pool" in rows["ref"].offload
     assert "grads" in rows["train"].needed
-
-
-@pytest.mark.parametrize("mode", ["serial", "decomposed"])
-@pytest.mark.parametrize("packed", [True, False])
-def test_packed_scoring_follows_the_config(grpo_assets, mode, packed):
-    """runtime.packed_scoring reaches the runner's scorer: packed (the default) or padded rows (the escape hatch
-    while the CUDA varlen path is new)."""
-    import torch
-
-    args = [f"--runtime.mode={mode}"] + ([] if packed else ["--runtime.packed_scoring=false"])
-    cfg = load_config(args)
-    assert step_settings(cfg).packed_scoring is packed
-    actor = grpo_assets.actor
-    optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=0.0)
-    runner = build_step_runtime(cfg, actor, grpo_assets.reference, RolloutEngine(actor, kv_pool_bytes=2**20),
-                                optimizer, None, grpo_assets.processor.tokenizer)
-    assert runner.scorer.pack is packed

@@ -10,7 +10,8 @@ from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.decomposition import DecomposedScorer
-from torchplex.runtime.grpo_step import Experience, kl_to_reference, micro_batches, reference_phase, train_phase
+from torchplex.runtime.experience import Experience, kl_to_reference, micro_batches, reference_phase
+from torchplex.runtime.training import train_phase
 from torchplex.runtime.scoring import SerialScorer
 
 RTOL = 1e-5

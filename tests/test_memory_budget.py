@@ -17,8 +17,10 @@ from torchplex.runtime.decomposition import DecomposedScorer
 from torchplex.runtime.memory_budget import (COMPACT, FIRST_TRAIN_UNPLANNED, FIT_KEYS, GRAPH, HEADROOM, NONE,
                                              PREFIX_GRADS, UNPLANNED, BatchTooLargeError, MemoryBudget,
                                              batch_token_bound, kv_pool_bytes, prefix_backward_rate, step_residents)
-from torchplex.runtime.overlap import HELD_BATCH_TOKENS, fused_prefill, padded_tokens, token_batches
-from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
+from torchplex.data.batching import padded_tokens, token_batches
+from torchplex.runtime.memory_estimate import StepFootprint
+from torchplex.runtime.prefixes import HELD_BATCH_TOKENS, fused_prefill
+from torchplex.runtime.plan import PlanOptions, StepShape, plan_step
 
 from step_runners import ScriptedWindows, cpu_runner
 
@@ -131,9 +133,9 @@ def setup(grpo_assets):
     return grpo_assets.processor, grpo_assets.prompts, grpo_assets.actor, grpo_assets.reference
 
 
-def runner_for(setup, mode, budget=0, micro_batch=8, kv_pool=16 * 2**20, from_budget=False):
+def runner_for(setup, mode, budget=0, micro_batch=8, kv_pool=16 * 2**20, from_budget=False, windows=None):
     return cpu_runner(setup, mode, budget=budget, micro_batch=micro_batch, kv_pool=kv_pool,
-                      kv_pool_from_budget=from_budget)
+                      kv_pool_from_budget=from_budget, windows=windows)
 
 
 PARAMS = dict(n=4, max_new_tokens=6, seed=3)
@@ -152,7 +154,7 @@ def budget_for_room(setup, room: int) -> int:
     """The budget whose room for held prefixes is `room` bytes at this setup's first step."""
     runner = runner_for(setup, "overlapped", budget=2**40)
     shape = runner.shape(setup[1], params_for(setup))
-    full = runner.memory_budget(shape, params_for(setup))
+    full = runner.memory.estimate(shape, runner.settings.plan)
     peak = max(full.stage_bytes(s) for s in ("rollout", "ref", "train"))
     return math.ceil((peak + room) / (1 - HEADROOM)) + 1
 
@@ -189,19 +191,19 @@ def test_each_holding_form_gives_the_serial_step(setup, serial, holding):
     room = sum(sizes[f][i] for i, f in enumerate(forms) if f != NONE)
     runner = runner_for(setup, "overlapped", budget=budget_for_room(setup, room))
     out = step(runner, setup)
-    assert [c.form for c in out.schedule.prefix_forms] == forms
+    assert [c.form for c in out.plan.prefix_forms] == forms
     ref_out, ref_grads = serial
     assert torch.equal(out.experience.tokens, ref_out.experience.tokens)
     assert rel(out.train.stats.loss, ref_out.train.stats.loss) < RTOL
     assert len(runner.optimizer.grads) == len(ref_grads)
     for g, r in zip(runner.optimizer.grads, ref_grads):
         assert rel(g, r) < RTOL
-    held = sum(c.bytes for c in out.schedule.prefix_forms)
-    assert held <= room <= out.schedule.memory["room_bytes"]
+    held = sum(c.bytes for c in out.plan.prefix_forms)
+    assert held <= room <= out.plan.budget.room_bytes
     assert len(runner.scorer.store) == 0  # every held prefix was consumed by training
     # every prompt's prefix counted once per model (actor: in the rollout when held, else in training), also in a
     # micro-batch of a held and an unheld prompt
-    assert runner.scorer.counts.prefix_tokens == 2 * sum(len(p.input_ids) for p in setup[1])
+    assert out.report.tokens.prefix_tokens == 2 * sum(len(p.input_ids) for p in setup[1])
     if COMPACT in forms:  # the compact form kept the layer inputs, far less than the whole graph
         nbytes, tokens = out.prefixes.compact_bytes[id(runner.actor)]
         whole = runner_for(setup, "overlapped", budget=2**40)
@@ -294,25 +296,21 @@ def test_a_stage_peak_over_its_plan_shrinks_the_next_plans_room(setup):
     unplanned bytes learnt from it)."""
     sizes = form_bytes(setup)[GRAPH]
     runner = runner_for(setup, "overlapped", budget=budget_for_room(setup, sum(sizes)))
-    run_stages, extra = runner._run_stages, sum(sizes)
-
-    def measured(step, work, timer):  # the CUDA peaks _stage records, a rollout transient added
-        run_stages(step, work, timer)
-        res = step.schedule.memory["residents"]
-        held = sum(b for b, _ in step.prefixes.graph_bytes.values())
-        runner._stage_peaks = {"rollout": sum(res["rollout"].values()) + held + extra,
-                               "train": sum(res["train"].values()) + held + 10 * extra}
-
-    runner._run_stages = measured
-    first = step(runner, setup).schedule
+    extra = sum(sizes)
+    out = step(runner, setup)
+    first = out.plan
     assert [c.form for c in first.prefix_forms] == [GRAPH] * 3
-    assert first.memory["unplanned_measured"] == {"rollout": extra}
+    # what CUDA's counters would have measured (MemoryEstimator.observe): a rollout transient beyond its plan
+    res, held = first.budget.residents, out.report.footprint.held_bytes
+    runner.memory.observe(StepFootprint(held_bytes=held, planned=res, stage_peaks={
+        "rollout": sum(res["rollout"].values()) + held + extra, "train": sum(res["train"].values()) + held + 10 * extra}))
+    assert runner.memory.learned.unplanned_bytes == {"rollout": extra}
     second = runner.plan(setup[1], params_for(setup))
-    assert second.memory["residents"]["rollout"]["unplanned"] == extra
-    assert "unplanned" not in second.memory["residents"]["train"]
-    res = second.memory["residents"]
-    assert second.memory["room_bytes"] == second.memory["usable_bytes"] - max(sum(res[s].values()) for s in res)
-    assert second.memory["room_bytes"] < first.memory["room_bytes"]
+    assert second.budget.residents["rollout"]["unplanned"] == extra
+    assert "unplanned" not in second.budget.residents["train"]
+    res = second.budget.residents
+    assert second.budget.room_bytes == second.budget.usable_bytes - max(sum(res[s].values()) for s in res)
+    assert second.budget.room_bytes < first.budget.room_bytes
     assert [c.form for c in second.prefix_forms].count(GRAPH) < 3
     measured_only = MemoryBudget(100, {s: {"actor_weights": 10, "activations": 200, UNPLANNED: 200}
                                        for s in ("rollout", "ref", "train")})
@@ -326,10 +324,10 @@ def test_a_failed_step_keeps_nothing_it_held_and_names_its_stage(setup):
     runner = runner_for(setup, "overlapped", budget=2**40)
     step(runner, setup)  # the compilations and measured rates: the failed step below allocates only its own
 
-    def out_of_memory(step):
+    def out_of_memory(experience, memory=None):
         raise torch.OutOfMemoryError("CUDA out of memory (test)")
 
-    runner._train = out_of_memory
+    runner.train_phase.run = out_of_memory
     gc.collect()
     with LiveBytes() as live:
         with pytest.raises(torch.OutOfMemoryError) as e:
@@ -339,9 +337,8 @@ def test_a_failed_step_keeps_nothing_it_held_and_names_its_stage(setup):
         left = live.live
     assert not held
     assert "in the train stage of a step of 3 prompts (overlapped)" in "\n".join(e.value.__notes__)
-    # what it planned stays for the report (scale_bench's failed row), with the stages' peaks (none measured on CPU)
-    failed = runner.failed_schedule
-    assert len(failed.prefix_forms) == 3 and failed.memory["stage_peaks_measured"] == {}
+    # what it planned stays for the failure's report, with the stages' peaks (none measured on CPU)
+    assert len(runner.failed_plan.prefix_forms) == 3 and runner.failed_report.stage_peaks == {}
     del e
     gc.collect()
     assert left < 2**20, left  # the held graphs of 3 prompts are several MiB here
@@ -398,42 +395,43 @@ def test_prefixes_held_in_batches_plan_their_backward_and_gradients(setup):
     train = {}
     for name, r in runners.items():
         shape = r.shape(setup[1], params)
-        train[name] = r.memory_budget(shape, params).residents["train"]
+        train[name] = r.memory.estimate(shape, r.settings.plan).residents["train"]
     r, lengths = runners["overlapped"], shape.prompt_lengths
     t, size = r.actor.args.text, r.actor.output_weight.element_size()
     grads = (shape.kv_bytes_per_token + t.hidden_size * size) * shape.prefix_tokens
     assert train["overlapped"][PREFIX_GRADS] == train["batched"][PREFIX_GRADS] == grads
     assert PREFIX_GRADS not in train["decomposed"]
-    rate = prefix_backward_rate(max(r._block_graph_estimates()))
+    rate = prefix_backward_rate(max(r.memory.fp.block_graph_bytes()))
     micro = train["decomposed"]["activations"]  # the same micro-batches, nothing held in batches
     assert train["overlapped"]["activations"] == max(micro, math.ceil(rate * batch_token_bound(
         lengths, r.engine.prefill_tokens)))
     assert train["batched"]["activations"] == max(micro, math.ceil(rate * batch_token_bound(
         sorted(lengths), HELD_BATCH_TOKENS)))
-    r._prefix_backward_rate = big = 1000 * rate  # measured larger (test_a_measured_batched_backward_...): it counts
+    big = 1000 * rate  # measured larger (test_a_measured_batched_backward_...): it counts
+    r.memory.observe(StepFootprint(train_above={"prefix_backward": big * 100}, largest_held_batch_tokens=100))
     shape = r.shape(setup[1], params)
     bound = batch_token_bound(lengths, r.engine.prefill_tokens)
-    assert r.memory_budget(shape, params).residents["train"]["activations"] == math.ceil(big * bound) > micro
+    assert r.memory.estimate(shape, r.settings.plan).residents["train"]["activations"] == math.ceil(big * bound) > micro
 
 
 def test_a_measured_batched_backward_is_the_next_plans_rate(setup):
     """What the held batches' backward allocated (its window, here stood in for) per padded token of the largest
     held batch is the rate the next plan counts that backward at: the room for held prefixes shrinks by it."""
-    runner = runner_for(setup, "overlapped", budget=budget_for_room(setup, sum(form_bytes(setup)[GRAPH])))
     big = 50 * sum(form_bytes(setup)[GRAPH])
-    runner.windows = ScriptedWindows({"whole_graph": 1000, "recompute": 1000, "micro_batch": 1000,
-                                      "prefix_backward": big})
+    windows = ScriptedWindows({"whole_graph": 1000, "recompute": 1000, "micro_batch": 1000, "prefix_backward": big})
+    runner = runner_for(setup, "overlapped", budget=budget_for_room(setup, sum(form_bytes(setup)[GRAPH])),
+                        windows=windows)
     first = step(runner, setup)
     tokens = first.prefixes.largest_batch_tokens
-    assert tokens > 0 and "prefix_backward" in runner.windows.names
-    assert runner._prefix_backward_rate == big / tokens
-    assert first.schedule.memory["train_measured"]["prefix_backward"] == big
+    assert tokens > 0 and "prefix_backward" in windows.names
+    assert runner.memory.learned.prefix_backward_rate == big / tokens
+    assert first.report.footprint.train_above["prefix_backward"] == big
     second = runner.plan(setup[1], params_for(setup))
     bound = batch_token_bound(second.prefix_forms and [c.tokens for c in second.prefix_forms],
                               runner.engine.prefill_tokens)
-    assert second.memory["residents"]["train"]["activations"] == math.ceil(big / tokens * bound)
-    assert second.memory["room_bytes"] < first.schedule.memory["room_bytes"]
-    assert [c.form for c in second.prefix_forms].count(NONE) > [c.form for c in first.schedule.prefix_forms].count(NONE)
+    assert second.budget.residents["train"]["activations"] == math.ceil(big / tokens * bound)
+    assert second.budget.room_bytes < first.plan.budget.room_bytes
+    assert [c.form for c in second.prefix_forms].count(NONE) > [c.form for c in first.plan.prefix_forms].count(NONE)
 
 
 def test_until_a_step_measured_training_its_unplanned_bytes_are_a_share_of_capacity(setup):
@@ -444,21 +442,20 @@ def test_until_a_step_measured_training_its_unplanned_bytes_are_a_share_of_capac
     room for held prefixes shrinks by it; after a step, what it measured; with nothing measured (CPU), none."""
     budget = budget_for_room(setup, sum(form_bytes(setup)[GRAPH]))
     plain = runner_for(setup, "overlapped", budget=budget).plan(setup[1], params_for(setup))
-    assert UNPLANNED not in plain.memory["residents"]["train"]
-    runner = runner_for(setup, "overlapped", budget=budget)
-    runner.windows = ScriptedWindows({"whole_graph": 1000, "recompute": 1000, "micro_batch": 1000,
-                                      "prefix_backward": 1000})
+    assert UNPLANNED not in plain.budget.residents["train"]
+    runner = runner_for(setup, "overlapped", budget=budget, windows=ScriptedWindows(
+        {"whole_graph": 1000, "recompute": 1000, "micro_batch": 1000, "prefix_backward": 1000}))
     first = runner.plan(setup[1], params_for(setup))
     prior = int(FIRST_TRAIN_UNPLANNED * budget)
-    res = first.memory["residents"]
+    res = first.budget.residents
     assert res["train"][UNPLANNED] == prior > 0
-    assert first.memory["room_bytes"] == first.memory["usable_bytes"] - max(sum(res[s].values()) for s in res)
-    assert first.memory["room_bytes"] < plain.memory["room_bytes"]
+    assert first.budget.room_bytes == first.budget.usable_bytes - max(sum(res[s].values()) for s in res)
+    assert first.budget.room_bytes < plain.budget.room_bytes
     assert [c.form for c in first.prefix_forms] != [c.form for c in plain.prefix_forms]
     step(runner, setup)
-    measured = runner._unplanned_bytes["train"]
+    measured = runner.memory.learned.unplanned_bytes["train"]
     assert measured != prior
-    assert runner.plan(setup[1], params_for(setup)).memory["residents"]["train"][UNPLANNED] == measured
+    assert runner.plan(setup[1], params_for(setup)).budget.residents["train"][UNPLANNED] == measured
 
 
 def test_with_fusion_a_prompt_alone_in_its_form_in_a_prefill_batch_takes_the_smaller_form(setup):
@@ -481,8 +478,9 @@ def test_with_fusion_a_prompt_alone_in_its_form_in_a_prefill_batch_takes_the_sma
         fusion.enable(False)
     (out, grads), (ref, ref_grads) = runs["demoted"], runs["compact"]
     assert out.prefixes.demoted == {id(prompts[0]): (GRAPH, COMPACT)} and not ref.prefixes.demoted
-    assert [c.form for c in out.schedule.prefix_forms] == [COMPACT] * n
-    assert any("smaller form than planned" in r for r in out.schedule.reasons)
+    assert [c.form for c in out.report.held_forms] == [COMPACT] * n  # the plan keeps what it planned
+    assert [c.form for c in out.plan.prefix_forms] == [GRAPH] + [COMPACT] * (n - 1)
+    assert any("smaller form than planned" in r for r in out.report.reasons)
     assert torch.equal(out.experience.tokens, ref.experience.tokens)
     mask = out.experience.mask
     torch.testing.assert_close(out.experience.old_logprobs[mask], ref.experience.old_logprobs[mask], rtol=RTOL, atol=0)
@@ -527,15 +525,15 @@ def test_with_fusion_a_held_forward_over_one_prompt_compiles_nothing_new(setup):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _forms(schedule, forms):
-    """The schedule with these prefix forms (bytes as planned), for a test that needs a given mix."""
-    schedule.prefix_forms = [dataclasses.replace(c, form=f) for c, f in zip(schedule.prefix_forms, forms)]
-    return schedule
+def _forms(plan, forms):
+    """The plan with these prefix forms (bytes as planned), for a test that needs a given mix."""
+    plan.prefix_forms = [dataclasses.replace(c, form=f) for c, f in zip(plan.prefix_forms, forms)]
+    return plan
 
 
 def test_a_demotion_within_training_is_recorded_in_the_training_forms(setup):
     """decomposed's batched actor prefix runs the same fused prefill at the start of training: a prompt it holds in
-    a smaller form than planned is recorded in the schedule's training forms, not only in the store."""
+    a smaller form than planned is recorded in the step report's training forms, not only in the store."""
     from torchplex.models import fusion
 
     prompts = setup[1]
@@ -557,8 +555,8 @@ def test_a_demotion_within_training_is_recorded_in_the_training_forms(setup):
     demoted = out.prefixes.demoted
     assert demoted, "the lone graph prompt shares a training batch with compact ones here"
     assert list(demoted.values()) == [(GRAPH, COMPACT)]
-    assert [c.form for c in out.schedule.train_prefix_forms] == [COMPACT] * n
-    assert any("smaller form than planned" in r for r in out.schedule.reasons)
+    assert [c.form for c in out.report.held_train_forms] == [COMPACT] * n
+    assert any("smaller form than planned" in r for r in out.report.reasons)
 
 
 @pytest.mark.parametrize("mode", ["decomposed", "overlapped"])
@@ -566,7 +564,7 @@ def test_a_step_failing_inside_a_backward_keeps_nothing_once_the_error_is_gone(s
     """H200, vid P = 16 (2026-12-02): after decomposed's step ran out of memory inside training, the next mode's
     rollout found ~37 GB still allocated. Failing in the second micro-batch's backward here (held prefixes taken,
     one epoch's backward done, the batched prefixes' gradients held back): once the error is dropped and the
-    gradients cleared (as scale_bench does), nothing the step allocated stays alive."""
+    gradients cleared, nothing the step allocated stays alive."""
     runner = runner_for(setup, mode, budget=2**40, micro_batch=4)
     step(runner, setup)
     backward, calls = runner.scorer.backward, []

@@ -41,7 +41,7 @@ def test_managed_step_equals_unmanaged_step(tmp_path, tiny_ckpt, monkeypatch):
             if key in b:
                 assert a[key] == b[key], key
     assert moved, "the reference weights and optimizer state must really have moved"
-    phases = [r.phase for r in managed.memory.records]
+    phases = [r.phase for r in managed.residency.records]
     assert phases == ["rollout", "ref", "train"] * 2
     assert "memory/ref_plan_gib" in managed_rows[-1]
     saved = json.loads((tmp_path / "managed" / "memory_measured.json").read_text())

@@ -1,4 +1,4 @@
-"""Phase planner schedules, and the overlapped executor against decomposed-serial execution."""
+"""Step plans per mode, and the overlapped step against the decomposed one."""
 
 import copy
 import dataclasses
@@ -11,10 +11,12 @@ from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.decomposition import DecomposedScorer
-from torchplex.runtime.executor import StepRunner, StepSettings
-from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
+from torchplex.runtime.plan import PlanOptions, StepShape, plan_step
+from torchplex.runtime.settings import StepSettings
 from torchplex.runtime.timeline import Timeline, draw_timelines
 from torchplex.runtime.window import WindowWorker
+
+from step_runners import grpo_step
 
 RTOL = 1e-5
 SHAPE = StepShape(prompt_lengths=(100, 60), group_size=4, max_new_tokens=8, has_reference=True,
@@ -100,7 +102,7 @@ def run(setup, mode, frozen, ppo_epochs=1, suffix_window=False, threaded=False, 
                             ppo_epochs=ppo_epochs, grad_clip=1e9, loss=loss or PolicyLossConfig(kl_coef=0.1),
                             plan=PlanOptions(mode=mode, ref_prefix_in_window=True, ref_suffix_in_window=suffix_window,
                                              window_sample_batch=sample_batch))
-    runner = StepRunner(actor, ref, engine, optimizer, None, processor.tokenizer, settings)
+    runner = grpo_step(actor, ref, engine, optimizer, processor.tokenizer, settings)
     if threaded:
         runner.window = WindowWorker(runner.device, threaded=True)
     stops = stops or [processor.tokenizer.convert_tokens_to_ids("<|im_end|>")]
@@ -220,13 +222,13 @@ def test_window_jobs_left_when_decode_ends_are_scored_by_the_ref_stage_as_in_dec
     every prompt's reference prefix; 1: it held the first prompt's, and the ref stage holds the other two."""
     import threading
 
-    from torchplex.runtime import overlap
-    from torchplex.runtime.overlap import DecodeWindowJobs
+    from torchplex.runtime import prefixes, step
+    from torchplex.runtime.window import DecodeWindowJobs
 
-    monkeypatch.setattr(overlap, "WINDOW_PREFIX_PROMPTS", prefix_prompts)
+    monkeypatch.setattr("torchplex.runtime.window.WINDOW_PREFIX_PROMPTS", prefix_prompts)
     ref_holds = []
-    hold_prefixes = overlap.hold_prefixes
-    monkeypatch.setattr("torchplex.runtime.executor.hold_prefixes", lambda scorer, model, prompts, store: (
+    hold_prefixes = prefixes.hold_prefixes
+    monkeypatch.setattr("torchplex.runtime.step.hold_prefixes", lambda scorer, model, prompts, store: (
         ref_holds.append(sum(not store.has(model, p) for p in prompts)), hold_prefixes(scorer, model, prompts, store)))
 
     gate = threading.Event()
@@ -246,11 +248,13 @@ def test_window_jobs_left_when_decode_ends_are_scored_by_the_ref_stage_as_in_dec
         finish(self)
 
     monkeypatch.setattr(DecodeWindowJobs, "_hold_prefixes", slow_hold)
-    monkeypatch.setattr(DecodeWindowJobs, "finish", finish_then_open)
     stops = long_tail_stops(setup)
     dec, dec_actor, _ = run(setup, "decomposed", True, stops=stops, max_new=12)
     assert ref_holds == [3]  # decomposed's ref stage holds every prefix
     ref_holds.clear()
+    # the gate opens once the overlapped decode has ended (patched after the decomposed run, whose own end would
+    # otherwise open it before the overlapped window's first job)
+    monkeypatch.setattr(DecodeWindowJobs, "finish", finish_then_open)
     ovl, ovl_actor, runner = run(setup, "overlapped", True, suffix_window=True, threaded=True, stops=stops,
                                  max_new=12, sample_batch=1)
     jobs = ovl.window_jobs

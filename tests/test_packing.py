@@ -1,9 +1,10 @@
-"""Packing instead of padding (issue 19): a micro-batch's valid tokens in one token dimension.
+"""Packed scoring: a micro-batch's valid tokens in one token dimension, the only scoring path of both scorers.
 
-Defect: each group's suffixes (decomposed) and each serial row (prompt + response) were padded to the longest
-row, so with long-tailed responses the decoder's dense parts and the LM head ran on up to ~3x the useful tokens.
-The packed path must give the padded path's numbers (log-probs, entropies, every parameter gradient, fp32,
-<= 1e-5) and the decoder's MLP must see exactly the valid tokens.
+Padding each group's suffixes (decomposed) or each serial row (prompt + response) to the longest row would make the
+decoder's dense parts and the LM head run on up to ~3x the useful tokens with long-tailed responses. The packed
+scorers must give the numbers of the definition (`FullSequenceReference`: every sample's own prompt + response, one
+plain forward each, no padding, no packing): log-probs, entropies and every parameter gradient, fp32, <= 1e-5; and
+the decoder's MLP must see exactly the valid tokens.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import copy
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 import torchplex.models.qwen2_5_vl.model as model_module
+from torchplex.data.batching import collate, encode_visuals
 from torchplex.models.attention import PrefixState
 from torchplex.models.packing import PackedCausalAttention, PackedSuffixAttention
 from torchplex.runtime.decomposition import DecomposedScorer
-from torchplex.runtime.overlap import fused_prefill
+from torchplex.runtime.prefixes import fused_prefill
 from torchplex.runtime.scoring import ScoreRequest, SerialScorer
 
 TOL = 1e-5
@@ -39,6 +43,37 @@ def long_tailed_request(prompts, seed=0):
     lengths = torch.tensor(LENGTHS)
     tokens[torch.arange(width)[None] >= lengths[:, None]] = 0
     return ScoreRequest([prompts[0], prompts[2]], [s // GROUP for s in range(len(LENGTHS))], tokens, lengths)
+
+
+class FullSequenceReference:
+    """The definition the packed scorers reproduce: each response scored by a plain forward of its own prompt and
+    response (one row, nothing padded or packed), the LM head's log-softmax at temperature read at its tokens."""
+
+    store = None
+
+    def score(self, model, request: ScoreRequest, temperature: float, with_entropy: bool = False):
+        width = request.tokens.shape[1]
+        logp = torch.zeros(request.tokens.shape)
+        entropy = torch.zeros(request.tokens.shape)
+        rows_logp, rows_entropy = [], []
+        for s, i in enumerate(request.prompt_index):
+            prompt, n = request.prompts[i], int(request.lengths[s])
+            response = request.tokens[s, :n].tolist()
+            batch = collate(model.args, [prompt], [response[:-1]] if n else [[]])
+            image, video = encode_visuals(model, batch)
+            hidden = model(batch.input_ids, batch.position_ids, image_embeds=image, video_embeds=video,
+                           prompt_lengths=batch.prompt_lengths)
+            start = len(prompt.input_ids) - 1  # the last prompt token predicts response token 0
+            log_probs = F.log_softmax(model.logits(hidden[0, start:start + n]).float() / temperature, dim=-1)
+            rows_logp.append(F.pad(log_probs[torch.arange(n), response], (0, width - n)))
+            rows_entropy.append(F.pad(-(log_probs.exp() * log_probs).sum(-1), (0, width - n)))
+        return torch.stack(rows_logp), torch.stack(rows_entropy) if with_entropy else None
+
+    def backward(self, loss):
+        loss.backward()
+
+    def finish_backward(self):
+        pass
 
 
 def loss_of(logp, entropy, mask):
@@ -77,24 +112,24 @@ def assert_same(packed, padded):
 
 
 @pytest.mark.parametrize("held", [False, True])
-def test_packed_decomposed_equals_padded_logprobs_and_every_gradient(assets, held):
+def test_packed_decomposed_equals_the_full_sequence_definition_and_every_gradient(assets, held):
     prompts, actor = assets
-    packed = scored_with_grads(actor, lambda: DecomposedScorer(pack=True), prompts, held)
-    padded = scored_with_grads(actor, lambda: DecomposedScorer(pack=False), prompts, held)
-    assert_same(packed, padded)
+    packed = scored_with_grads(actor, DecomposedScorer, prompts, held)
+    reference = scored_with_grads(actor, FullSequenceReference, prompts, held=False)
+    assert_same(packed, reference)
 
 
-def test_packed_serial_equals_padded_logprobs_and_every_gradient(assets):
+def test_packed_serial_equals_the_full_sequence_definition_and_every_gradient(assets):
     prompts, actor = assets
-    packed = scored_with_grads(actor, lambda: SerialScorer(pack=True), prompts, held=False)
-    padded = scored_with_grads(actor, lambda: SerialScorer(pack=False), prompts, held=False)
-    assert_same(packed, padded)
+    packed = scored_with_grads(actor, SerialScorer, prompts, held=False)
+    reference = scored_with_grads(actor, FullSequenceReference, prompts, held=False)
+    assert_same(packed, reference)
 
 
 def test_packed_serial_equals_packed_decomposed(assets):
     prompts, actor = assets
-    serial = scored_with_grads(actor, lambda: SerialScorer(pack=True), prompts, held=False, seed=1)
-    decomposed = scored_with_grads(actor, lambda: DecomposedScorer(pack=True), prompts, held=False, seed=1)
+    serial = scored_with_grads(actor, SerialScorer, prompts, held=False, seed=1)
+    decomposed = scored_with_grads(actor, DecomposedScorer, prompts, held=False, seed=1)
     assert_same(decomposed, serial)
 
 
@@ -114,24 +149,22 @@ def mlp_rows(model, run) -> int:
 def test_decoder_mlp_sees_only_valid_suffix_tokens(assets):
     prompts, actor = assets
     request = long_tailed_request(prompts)
-    scorer = DecomposedScorer(pack=True)
+    scorer = DecomposedScorer()
     prefix = scorer.prefix(actor, request.prompts)[0]
     packed = mlp_rows(actor, lambda: scorer.score_on_prefix(actor, prefix, request, 1.0))
-    # Suffix inputs are each response without its last token (its last token predicts nothing).
+    # Suffix inputs are each response without its last token (its last token predicts nothing): 32 rows, where
+    # padding every suffix to the longest would run 8 x 22 = 176
     assert packed == sum(max(n - 1, 0) for n in LENGTHS) == 32
-    padded = mlp_rows(actor, lambda: DecomposedScorer(pack=False).score_on_prefix(actor, prefix, request, 1.0))
-    assert padded == len(LENGTHS) * (max(LENGTHS) - 1)  # 176: the work packing removes
 
 
 @torch.no_grad()
 def test_serial_mlp_sees_only_valid_prompt_and_response_tokens(assets):
     prompts, actor = assets
     request = long_tailed_request(prompts)
-    packed = mlp_rows(actor, lambda: SerialScorer(pack=True).score(actor, request, 1.0))
+    packed = mlp_rows(actor, lambda: SerialScorer().score(actor, request, 1.0))
     rows = [request.prompts[i] for i in request.prompt_index]
     assert packed == sum(len(p.input_ids) + max(n - 1, 0) for p, n in zip(rows, LENGTHS))
-    padded = mlp_rows(actor, lambda: SerialScorer(pack=False).score(actor, request, 1.0))
-    assert packed < padded
+    assert packed < len(rows) * max(len(p.input_ids) + max(LENGTHS) - 1 for p in rows)  # padded rows: more
 
 
 @torch.no_grad()
@@ -145,15 +178,16 @@ def test_packed_suffix_positions_are_the_padded_ones(assets, monkeypatch):
     real = model_module.mrope_cos_sin
     monkeypatch.setattr(model_module, "mrope_cos_sin", lambda args, pos, dtype: seen.append(pos) or real(args, pos,
                                                                                                           dtype))
-    DecomposedScorer(pack=True).score_on_prefix(actor, prefix, request, 1.0)
-    DecomposedScorer(pack=False).score_on_prefix(actor, prefix, request, 1.0)
-    packed, padded = seen
+    DecomposedScorer().score_on_prefix(actor, prefix, request, 1.0)
+    [packed] = seen
     inputs = torch.tensor(LENGTHS).sub(1).clamp(min=0)
-    valid = torch.arange(padded.shape[2])[None] < inputs[:, None]
-    assert torch.equal(packed[:, 0], padded[:, valid])
-    expected = torch.cat([prefix.next_position[o] + torch.arange(m) for o, m in zip(request.prompt_index,
-                                                                                    inputs.tolist())])
-    assert torch.equal(packed[0, 0], expected)
+    # collate's positions of each sample's prompt + response, the response part: what a whole sequence would use
+    whole = [collate(actor.args, [request.prompts[o]], [request.tokens[s, :m].tolist()]).position_ids[:, 0]
+             for s, (o, m) in enumerate(zip(request.prompt_index, inputs.tolist()))]
+    expected = torch.cat([w[:, len(request.prompts[o].input_ids):] for w, o in zip(whole, request.prompt_index)], 1)
+    assert torch.equal(packed[:, 0], expected)
+    assert torch.equal(packed[0, 0], torch.cat([prefix.next_position[o] + torch.arange(m)
+                                                for o, m in zip(request.prompt_index, inputs.tolist())]))
     prompt_lens = torch.tensor([len(p.input_ids) for p in request.prompts])
     assert (prefix.next_position != prompt_lens).all()  # the rope delta of the image prompts is not zero
 

@@ -126,8 +126,8 @@ def plain(request, setup):
     out, calls = run_step(runner, setup, counting=True)
     probe = runner_for(setup, mode, checkpointed=True)
     probe_out, _ = run_step(probe, setup)
-    estimates = probe_out.schedule.memory["recompute"]["estimates"]
-    resident = sum(b for g, b in probe_out.schedule.memory["residents"]["train"].items() if g != "activations")
+    estimates = probe_out.report.recompute["estimates"]
+    resident = sum(b for g, b in probe_out.plan.budget.residents["train"].items() if g != "activations")
     return mode, out, runner.optimizer.grads, calls, estimates, resident
 
 
@@ -146,7 +146,7 @@ def test_recompute_choice_keeps_the_unwrapped_step(setup, plain, which):
                  "mix": (sorted(estimates)[0] + sorted(estimates)[-1]) // 2}[which]
     runner = runner_for(setup, mode, checkpointed=True, budget=budget_for(resident, threshold))
     out, calls = run_step(runner, setup, counting=True)
-    log = out.schedule.memory["recompute"]
+    log = out.report.recompute
     assert log["estimates"] == estimates
     decisions = [needs_recompute(e, f, 0) for e, f in zip(log["estimates"], log["free_bytes"])]
     on, off = sum(decisions), len(decisions) - sum(decisions)
@@ -178,7 +178,7 @@ def test_always_recomputes_every_micro_batch(setup):
     runner = runner_for(setup, "decomposed", checkpointed=True, policy="always")
     out, calls = run_step(runner, setup)
     assert out.train.recompute["off"] == 0 and out.train.recompute["on"] > 0
-    assert "estimates" not in out.schedule.memory["recompute"]
+    assert "estimates" not in out.report.recompute
 
 
 def test_recompute_block_switches_the_checkpointed_forward(setup):
@@ -195,7 +195,7 @@ def test_recompute_block_switches_the_checkpointed_forward(setup):
     attend = lambda layer, q, k, v: q  # what attention does is beside the point here
     for flag, expect in ((False, 1), (True, 2), (None, 2)):
         runs.clear()
-        with recompute(flag) if flag is not None else torch.enable_grad():
+        with recompute(actor, flag) if flag is not None else torch.enable_grad():
             y = layer(x, cos, sin, attend, 0)
         y.sum().backward()
         assert len(runs) == expect, (flag, len(runs))
@@ -211,12 +211,12 @@ def test_budget_counts_training_at_its_recompute_form(setup):
     ckpt_runner = runner_for(setup, "decomposed", checkpointed=True)
     shape = ckpt_runner.shape(setup[1], params)
     plain_shape = plain_runner.shape(setup[1], params)
-    plain_act = plain_runner.memory_budget(plain_shape, params).residents["train"]["activations"]
-    budget = ckpt_runner.memory_budget(shape, params)
+    plain_act = plain_runner.memory.estimate(plain_shape, plain_runner.settings.plan).residents["train"]["activations"]
+    budget = ckpt_runner.memory.estimate(shape, ckpt_runner.settings.plan)
     t = ckpt_runner.actor.args.text
     tokens = 4 * 6 + 1 * max(shape.prompt_lengths)
-    want = recompute_train_bytes(shape.compact_bytes_per_token, max(ckpt_runner._block_graph_estimates()), tokens,
-                                 4 * 6, t.vocab_size)
+    want = recompute_train_bytes(shape.compact_bytes_per_token, max(ckpt_runner.memory.fp.block_graph_bytes()),
+                                 tokens, 4 * 6, t.vocab_size)
     assert budget.residents["train"]["activations"] == want
     assert want < plain_act
 
@@ -240,7 +240,7 @@ def test_fused_graph_form_of_a_checkpointed_actor_holds_the_whole_graph(setup):
         nbytes, tokens = out.prefixes.graph_bytes[id(runner.actor)]
         outs[checkpointed] = (out, runner.optimizer.grads, nbytes / tokens)
     (plain_out, plain_grads, plain_rate), (out, grads, rate) = outs[False], outs[True]
-    assert [c.form for c in out.schedule.prefix_forms] == ["graph"] * 3
+    assert [c.form for c in out.plan.prefix_forms] == ["graph"] * 3
     assert rate == plain_rate
     assert out.train.recompute["off"] > 0
     assert rel(out.train.stats.loss, plain_out.train.stats.loss) < TOL
@@ -262,7 +262,7 @@ def test_compiled_checkpointed_layer_follows_the_flag(setup):
 
     def grads(flag):
         layer.zero_grad(set_to_none=True)
-        with recompute(flag):
+        with recompute(actor, flag):
             layer(x, cos, sin, attend, 0).square().sum().backward()
         return [p.grad.clone() for p in layer.parameters()]
 
@@ -327,7 +327,7 @@ def _agree_worker(rank, world_size, port, needs, results):
     from torchplex.models.qwen2_5_vl.args import get_flavor
     from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel
     from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
-    from torchplex.runtime.executor import _tp_group
+    from torchplex.runtime.step import _tp_group
 
     init_gloo(rank, world_size, port)
     results[rank] = [agree_on_recompute(n, dist.group.WORLD, torch.device("cpu")) for n in needs[rank]]
@@ -363,43 +363,50 @@ def test_training_learns_its_activations_from_recomputing_micro_batches_only(set
     counters are stood in for (CPU): a recomputing micro-batch peaks 5 MB above its entry, a whole graph 50 MB."""
     from step_runners import ScriptedWindows
 
-    runner = runner_for(setup, "decomposed", checkpointed=True, policy=policy)  # budget 2**40: "auto" keeps graphs
-    runner.windows = ScriptedWindows({"recompute": 5_000_000, "whole_graph": 50_000_000, "prefix_backward": 0})
-    out, _ = run_step(runner, setup)
+    windows = ScriptedWindows({"recompute": 5_000_000, "whole_graph": 50_000_000, "prefix_backward": 0})
+    runner = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=4, kv_pool=KV_POOL, checkpointed=True,
+                        recompute=policy, plan_options={"batched_actor_prefix": False}, windows=windows)
+    out, _ = run_step(runner, setup)  # budget 2**40: "auto" keeps graphs
     recomputed = policy == "always"
-    assert set(runner.windows.names) == {"recompute" if recomputed else "whole_graph", "prefix_backward"}
-    assert runner._train_activation_bytes == (5_000_000 if recomputed else None)
+    assert set(windows.names) == {"recompute" if recomputed else "whole_graph", "prefix_backward"}
+    assert runner.memory.learned.train_activation_bytes == (5_000_000 if recomputed else None)
     params = SamplingParams(n=4, max_new_tokens=6, seed=3)
-    act = runner.memory_budget(runner.shape(setup[1], params), params).residents["train"]["activations"]
+    act = runner.memory.estimate(runner.shape(setup[1], params), runner.settings.plan).residents["train"]["activations"]
     assert (act == 5_000_000) == recomputed
 
 
-def _graphs_take(runner, factor: float) -> list[int]:
-    """Stand-in counters (CPU) on `runner` under which each kept graph peaks at `factor` x the estimate its choice
-    was made with; returns the list the estimates are appended to."""
+def graphs_take(setup, factor: float, monkeypatch):
+    """A checkpointed decomposed runner on stand-in counters (CPU) under which each kept graph peaks at `factor` x the
+    estimate its choice was made with; returns it and the list the estimates are appended to."""
     from step_runners import ScriptedWindows
 
     sizes = {"recompute": 1_000, "prefix_backward": 0, "whole_graph": 0}
-    runner.windows = ScriptedWindows(sizes)
+    runner = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=4, kv_pool=KV_POOL, checkpointed=True,
+                        plan_options={"batched_actor_prefix": False}, windows=ScriptedWindows(sizes))
     estimates = []
-    decide = runner._recompute_for
+    policy = runner.memory.recompute_policy
 
-    def scripted(step):
-        choose = decide(step)
+    def scripted(*args):
+        choose, log = policy(*args), args[-1]
 
         def choice(mb, req):
             on = choose(mb, req)
-            estimates.append(step.schedule.memory["recompute"]["estimates"][-1])
+            estimates.append(log["estimates"][-1])
             sizes["whole_graph"] = int(factor * estimates[-1])
             return on
 
         return choice
 
-    runner._recompute_for = scripted
-    return estimates
+    monkeypatch.setattr(runner.memory, "recompute_policy", scripted)
+    return runner, estimates
 
 
-def test_whole_graph_estimates_learn_what_the_kept_graphs_took(setup):
+def free_bytes(runner, monkeypatch, free: int) -> None:
+    """The memory free at every training forward, stood in for."""
+    monkeypatch.setattr(runner.memory, "free_for_training", lambda budget, held=0: (free, 0))
+
+
+def test_whole_graph_estimates_learn_what_the_kept_graphs_took(setup, monkeypatch):
     """Defect (H200, 7B, vid P = 16, both decomposed modes): a micro-batch whose whole-graph estimate (17.1 GB) just
     fit what was free less the margin (17.1 of 24.6 GB free) kept its graph and ran out of memory: the estimate's
     rate is the prefix's graph per token, and a suffix forward takes more. What each kept graph measured against its
@@ -407,25 +414,24 @@ def test_whole_graph_estimates_learn_what_the_kept_graphs_took(setup):
     at 3x its estimate; the budget is set so the second step's scaled estimates no longer fit."""
     from torchplex.runtime.memory_budget import FIRST_WHOLE_GRAPH_SCALE
 
-    runner = runner_for(setup, "decomposed", checkpointed=True)  # budget 2**40: the first step keeps every graph
-    estimates = _graphs_take(runner, 3)
+    runner, estimates = graphs_take(setup, 3, monkeypatch)  # budget 2**40: the first step keeps every graph
     out, _ = run_step(runner, setup)
-    log = out.schedule.memory["recompute"]
+    log = out.report.recompute
     assert log["scale"] == FIRST_WHOLE_GRAPH_SCALE  # nothing measured yet, stages measured: the prior
     assert not any(x is False for x in log["whole"]) and out.train.recompute["on"] == 0
     assert out.train.measured_bytes == [3 * e for e in estimates] == log["measured"]
-    assert runner._whole_graph_scale == pytest.approx(3.0)
+    assert runner.memory.learned.whole_graph_scale == pytest.approx(3.0)
     # the next step: free memory that holds each estimate twice over, not three times -> every micro-batch recomputes
-    runner._free_for_training = lambda step: (2 * max(estimates), 0)
+    free_bytes(runner, monkeypatch, 2 * max(estimates))
     out, _ = run_step(runner, setup)
-    log = out.schedule.memory["recompute"]
+    log = out.report.recompute
     assert log["scale"] == pytest.approx(3.0) and out.train.recompute["off"] == 0 and out.train.recompute["on"] > 0
     from torchplex.runtime.memory_budget import whole_graph_scale
     assert whole_graph_scale(1.0, [10, 10], [5, 40], [True, False]) == 1.0  # a recomputed forward is not a graph
     assert whole_graph_scale(2.0, [10], [15], [True]) == 2.0  # never smaller than what earlier steps measured
 
 
-def test_until_a_kept_graph_is_measured_the_choices_carry_the_first_step_prior(setup):
+def test_until_a_kept_graph_is_measured_the_choices_carry_the_first_step_prior(setup, monkeypatch):
     """Defect (H200, 7B, vid P = 16, overlapped): the first step priced whole graphs at their bare estimate (scale 1),
     kept a micro-batch estimated at 67.6 GiB whose graph took 80.8, and peaked at 135.9 GiB. Where stages are
     measured, the choices now price graphs at FIRST_WHOLE_GRAPH_SCALE until one is measured; a step that kept none
@@ -435,25 +441,26 @@ def test_until_a_kept_graph_is_measured_the_choices_carry_the_first_step_prior(s
     assert FIRST_WHOLE_GRAPH_SCALE > 1.1
     plain = runner_for(setup, "decomposed", checkpointed=True)
     out, _ = run_step(plain, setup)
-    log = out.schedule.memory["recompute"]
-    assert log["scale"] == 1.0 and all(log["whole"]) and plain._whole_graph_scale is None
+    log = out.report.recompute
+    assert log["scale"] == 1.0 and all(log["whole"]) and plain.memory.learned.whole_graph_scale is None
     free = int(1.2 * max(log["estimates"]))  # every graph fits at scale 1, the largest not at the prior
 
-    runner = runner_for(setup, "decomposed", checkpointed=True)
-    _graphs_take(runner, 1.1)
-    runner._free_for_training = lambda step: (0, 0)  # nothing fits: none kept, the prior stays
+    runner, _ = graphs_take(setup, 1.1, monkeypatch)
+    free_bytes(runner, monkeypatch, 0)  # nothing fits: none kept, the prior stays
     out, _ = run_step(runner, setup)
-    log = out.schedule.memory["recompute"]
-    assert log["scale"] == FIRST_WHOLE_GRAPH_SCALE and not any(log["whole"]) and runner._whole_graph_scale is None
-    runner._free_for_training = lambda step: (free, 0)
+    log = out.report.recompute
+    assert log["scale"] == FIRST_WHOLE_GRAPH_SCALE and not any(log["whole"])
+    assert runner.memory.learned.whole_graph_scale is None
+    free_bytes(runner, monkeypatch, free)
     out, _ = run_step(runner, setup)
-    log = out.schedule.memory["recompute"]
+    log = out.report.recompute
     assert log["scale"] == FIRST_WHOLE_GRAPH_SCALE
     assert log["whole"] == [math.ceil(e * FIRST_WHOLE_GRAPH_SCALE) <= free for e in log["estimates"]]
     assert any(log["whole"]) and not all(log["whole"])  # at scale 1 all would have been kept
-    assert runner._whole_graph_scale == pytest.approx(1.1, rel=1e-3)  # measured: below the prior, it replaces it
+    # measured: below the prior, it replaces it
+    assert runner.memory.learned.whole_graph_scale == pytest.approx(1.1, rel=1e-3)
     out, _ = run_step(runner, setup)
-    assert out.schedule.memory["recompute"]["scale"] == pytest.approx(1.1, rel=1e-3)
+    assert out.report.recompute["scale"] == pytest.approx(1.1, rel=1e-3)
 
 
 @pytest.mark.parametrize("mode", ["decomposed", "overlapped"])
@@ -464,7 +471,7 @@ def test_whole_graph_estimate_prices_responses_at_the_decoder_rate(setup, mode):
     micro-batches recomputed that had room not to. What autograd saves in each whole-graph training forward (the
     prefixes held, so the responses alone: overlap.SavedBytes, parameters left out) must be covered by the estimate,
     and by no more than 2x (priced at the prefix rate: 2.7x on the tiny geometry, whose tower is 2/3 of that rate)."""
-    from torchplex.runtime.overlap import SavedBytes
+    from torchplex.runtime.prefixes import SavedBytes
 
     runner = cpu_runner(setup, mode, budget=2**40, micro_batch=4, kv_pool=KV_POOL, checkpointed=True)
     scorer, saved = runner.scorer, []
@@ -481,9 +488,9 @@ def test_whole_graph_estimate_prices_responses_at_the_decoder_rate(setup, mode):
 
     scorer.score = measuring
     out, _ = run_step(runner, setup)
-    log = out.schedule.memory["recompute"]
+    log = out.report.recompute
     assert all(log["whole"]) and len(saved) == len(log["estimates"]) > 1
-    text, vision = runner._block_graph_estimates()
+    text, vision = runner.memory.fp.block_graph_bytes()
     assert vision > text and log["suffix_bytes_per_token"] == runner.actor.args.text.num_layers * text
     for est, nbytes in zip(log["estimates"], saved):
         assert nbytes <= est <= 2 * nbytes
@@ -493,31 +500,31 @@ def test_free_memory_for_a_training_forward_leaves_out_the_gradients_its_backwar
     """Defect (H200, 7B, every run): the first micro-batch of a step found 15.4 GiB more free than the next, the
     bf16 gradients its own backward creates, and chose its recompute as if it could keep them for its graph. The
     allocator's counters are stood in for (CPU): what is free less the gradients not yet made, whichever exist."""
-    from types import SimpleNamespace
+    from torchplex.runtime.memory_budget import MemoryBudget
 
     runner = runner_for(setup, "decomposed", checkpointed=True)  # budget 2**40: the budget's branch (capacity)
     trainable = [p for p in runner.actor.parameters() if p.requires_grad]
     size = lambda ps: sum(p.numel() * p.element_size() for p in ps)
     total = size(trainable)
-    monkeypatch.setattr(runner, "device", torch.device("cuda"))
+    monkeypatch.setattr(runner.memory, "device", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * total, 100 * total))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    step = SimpleNamespace(schedule=SimpleNamespace(memory={"capacity_bytes": 100 * total}))
+    budget = MemoryBudget(100 * total)
     for p in trainable:
         p.grad = None
-    assert runner._free_for_training(step) == (9 * total, int(HEADROOM * 100 * total))
+    assert runner.memory.free_for_training(budget) == (9 * total, int(HEADROOM * 100 * total))
     made = trainable[: len(trainable) // 2]
     for p in made:
         p.grad = torch.zeros_like(p)
-    assert runner._free_for_training(step)[0] == 9 * total + size(made)
+    assert runner.memory.free_for_training(budget)[0] == 9 * total + size(made)
     for p in trainable:
         p.grad = torch.zeros_like(p)
-    assert runner._free_for_training(step)[0] == 10 * total
+    assert runner.memory.free_for_training(budget)[0] == 10 * total
     runner.actor.requires_grad_(False)  # a frozen parameter gets no gradient: nothing of it is pending
     for p in trainable:
         p.grad = None
-    assert runner._free_for_training(step)[0] == 10 * total
+    assert runner.memory.free_for_training(budget)[0] == 10 * total
 
 
 def test_decomposed_whole_graph_estimate_counts_the_packed_suffix_keys(setup, monkeypatch):
@@ -526,20 +533,20 @@ def test_decomposed_whole_graph_estimate_counts_the_packed_suffix_keys(setup, mo
     heads by torch 2.11's varlen call); the whole-graph estimate counted responses and computed prefixes only. Each
     decomposed choice now adds G x prompt rows + responses of K and V per layer, in the heads the attention path
     keeps (test_packing checks those bytes against what autograd saves)."""
-    from torchplex.runtime import executor
+    from torchplex.runtime import memory_estimate
     from torchplex.models.packing import suffix_key_heads
     from torchplex.runtime.memory_budget import packed_key_bytes
 
-    monkeypatch.setattr(executor, "no_recompute_bytes", lambda *a: 0)  # what is left: the packed keys alone
+    monkeypatch.setattr(memory_estimate, "no_recompute_bytes", lambda *a: 0)  # what is left: the packed keys alone
     runner = runner_for(setup, "decomposed", checkpointed=True)
     seen = []
-    decide = runner._recompute_for
+    policy = runner.memory.recompute_policy
 
-    def recording(step):
-        choose = decide(step)
+    def recording(*args):
+        choose = policy(*args)
         return lambda mb, req: (seen.append(req), choose(mb, req))[1]
 
-    runner._recompute_for = recording
+    monkeypatch.setattr(runner.memory, "recompute_policy", recording)
     out, _ = run_step(runner, setup)
     t, w = runner.actor.args.text, runner.actor.output_weight
     heads = suffix_key_heads(t.num_heads, t.num_kv_heads, t.head_dim, w.device, w.dtype)
@@ -547,7 +554,7 @@ def test_decomposed_whole_graph_estimate_counts_the_packed_suffix_keys(setup, mo
     expected = [packed_key_bytes(sum(len(r.prompts[i].input_ids) for i in r.prompt_index) + sum(r.host_lengths()),
                                  t.num_layers, heads, t.head_dim, w.element_size())
                 for r in seen]
-    assert out.schedule.memory["recompute"]["estimates"] == expected and min(expected) > 0
+    assert out.report.recompute["estimates"] == expected and min(expected) > 0
 
 
 def test_the_budget_caps_held_prefixes_for_the_last_steps_whole_graphs(setup):
@@ -555,39 +562,46 @@ def test_the_budget_caps_held_prefixes_for_the_last_steps_whole_graphs(setup):
     prefixes filled the room through training and 52 of 64 micro-batches recomputed (+7 s) where decomposed kept
     all 64 whole. A step now learns its micro-batches' whole graphs with their prefixes held (each choice's estimate
     less the prefixes it computes, scaled) and the next plans cap the held prefixes' rooms with them."""
-    from dataclasses import replace
+    from torchplex.runtime.memory_estimate import StepFootprint
 
     runner = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=4, kv_pool=KV_POOL, checkpointed=True,
                         plan_options={"batched_actor_prefix": False})  # micro-batches compute their prefixes
     params = SamplingParams(n=4, max_new_tokens=6, seed=3)
     shape = runner.shape(setup[1], params)
-    first = runner.memory_budget(shape, params)
+    first = runner.memory.estimate(shape, runner.settings.plan)
     assert first.held_cap_bytes is None and first.held_cap == ""  # before any step: nothing learned
     out, _ = run_step(runner, setup)
-    log = out.schedule.memory["recompute"]
+    log = out.report.recompute
     assert all(log["whole"]) and len(log["held_estimates"]) == len(log["estimates"]) > 1
     assert all(h < e for h, e in zip(log["held_estimates"], log["estimates"]))  # the computed prefixes left out
-    sizes = [math.ceil(e * runner._graph_scale()) for e in log["held_estimates"]]
-    assert runner._whole_graph_sizes == sizes
+    sizes = [math.ceil(e * runner.memory.graph_scale()) for e in log["held_estimates"]]
+    assert runner.memory.learned.whole_graph_sizes == sizes
+    # the cap applies only where training holds its prefixes in rounds (batched_actor_prefix): a runner that does,
+    # having observed the same step
+    rounds = cpu_runner(setup, "decomposed", budget=2**40, micro_batch=4, kv_pool=KV_POOL, checkpointed=True,
+                        plan_options={"batched_actor_prefix": True})
+    rounds.memory.observe(StepFootprint(recompute=log))
+    shape = rounds.shape(setup[1], params)  # with what the step measured
+    first = rounds.memory.estimate(shape, rounds.settings.plan)
+    assert first.held_cap_bytes == first.train_room_bytes  # the room, uncapped
+    assert runner.memory.estimate(shape, runner.settings.plan).held_cap_bytes is None  # no rounds: no cap
     # the tiny model's whole graphs are below its recompute form's count (the cap never binds): graphs k x as
     # large, the largest twice that count, and a budget whose room beside the largest holds 3 of the largest
-    # prompt's prefix: the cap; only where training holds its prefixes in rounds (batched_actor_prefix)
-    shape = runner.shape(setup[1], params)  # with what the step measured
-    runner.settings.plan = replace(runner.settings.plan, batched_actor_prefix=True)
-    first = runner.memory_budget(shape, params)
-    assert first.held_cap_bytes == first.train_room_bytes  # the room, uncapped
-    runner.settings.plan = replace(runner.settings.plan, batched_actor_prefix=False)
+    # prompt's prefix: the cap
     k = math.ceil(2 * first.residents["train"]["activations"] / max(sizes))
-    runner._whole_graph_sizes = sizes = [k * s for s in sizes]
-    assert runner.memory_budget(shape, params).held_cap_bytes is None  # no rounds (no batched prefix): no cap
-    runner.settings.plan = replace(runner.settings.plan, batched_actor_prefix=True)
+    big = dict(log, held_estimates=[k * e for e in log["held_estimates"]])
+    sizes = [math.ceil(e * rounds.memory.graph_scale()) for e in big["held_estimates"]]
     one = math.ceil(shape.compact_bytes_per_token * max(shape.prompt_lengths))
     resident = first.stage_bytes("train") - first.residents["train"]["activations"] + max(sizes)
     assert max(sizes) > first.residents["train"]["activations"]
-    runner.settings.plan = replace(runner.settings.plan, memory_budget_bytes=budget_for(resident, 3 * one))
-    planned = runner.memory_budget(shape, params)
+    capped = cpu_runner(setup, "decomposed", budget=budget_for(resident, 3 * one), micro_batch=4, kv_pool=KV_POOL,
+                        checkpointed=True, plan_options={"batched_actor_prefix": True})
+    capped.memory.observe(StepFootprint(recompute=big))
+    planned = capped.memory.estimate(shape, capped.settings.plan)
     assert 3 * one <= planned.held_cap_bytes <= 3 * one + 1 and planned.train_room_bytes == planned.held_cap_bytes
-    schedule = runner.plan(setup[1], params)
-    assert schedule.memory["held_cap"].startswith(f"{len(sizes)} of {len(sizes)} micro-batches whole")
-    runner.settings = replace(runner.settings, recompute="always")  # nothing to keep room for
-    assert runner.memory_budget(shape, params).held_cap_bytes is None
+    plan = capped.plan(setup[1], params)
+    assert plan.budget.held_cap.startswith(f"{len(sizes)} of {len(sizes)} micro-batches whole")
+    always = cpu_runner(setup, "decomposed", budget=budget_for(resident, 3 * one), micro_batch=4, kv_pool=KV_POOL,
+                        checkpointed=True, recompute="always", plan_options={"batched_actor_prefix": True})
+    always.memory.observe(StepFootprint(recompute=big))
+    assert always.memory.estimate(shape, always.settings.plan).held_cap_bytes is None  # nothing to keep room for

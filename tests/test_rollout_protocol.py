@@ -15,7 +15,7 @@ from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.protocol import RolloutCapabilities, RolloutEngineProtocol
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.disaggregation import RemoteRollout
-from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
+from torchplex.runtime.plan import PlanOptions, StepShape, plan_step
 from torchplex.runtime.rollout_weights import SharedRolloutEngine
 
 SHAPE = StepShape(prompt_lengths=(100, 60), group_size=4, max_new_tokens=8, has_reference=True,
@@ -89,7 +89,7 @@ def _worker(rank: int, world_size: int, port: int, ckpt: str, tmp: str) -> None:
         trainer.runner.run = lambda *a, **kw: outs.append(run(*a, **kw)) or outs[-1]
         trainer.train()
         out = outs[0]
-        result = {"engine": type(trainer.engine).__name__, "schedule": out.schedule.to_json(),
+        result = {"engine": type(trainer.engine).__name__, "schedule": out.plan.to_json(),
                   "window_spans": [s.name for s in out.timeline.spans if s.lane == "window"],
                   "ref_finite": bool(torch.isfinite(out.experience.ref_logprobs[out.experience.mask]).all()),
                   "main_spans": [s.name for s in out.timeline.spans if s.lane == "main"]}

@@ -28,7 +28,7 @@ from torchplex.rollout.sglang_backend.engine import (SGLangRolloutEngine, SGLang
                                                      build_sglang_engine, check_sglang_available)
 from torchplex.rollout.sglang_backend.requests import build_requests, map_outputs, sampling_params_for
 from torchplex.rollout.sglang_backend.weights import buckets, hf_parameters
-from torchplex.runtime.planner import PlanOptions, StepShape, plan_step
+from torchplex.runtime.plan import PlanOptions, StepShape, plan_step
 
 
 @pytest.fixture(scope="module")

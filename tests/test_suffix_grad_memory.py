@@ -24,7 +24,7 @@ import train_memory_probe as probe  # noqa: E402
 
 from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing  # noqa: E402
 from torchplex.runtime.decomposition import DecomposedScorer  # noqa: E402
-from torchplex.runtime.overlap import fused_prefill  # noqa: E402
+from torchplex.runtime.prefixes import fused_prefill  # noqa: E402
 from torchplex.runtime.scoring import ScoreRequest  # noqa: E402
 
 # Two micro-batches of one group each: the second finds .grad already there, which is when the pending copy was

@@ -28,7 +28,7 @@ from torchplex.config import load_config
 from torchplex.data.records import read_records
 from torchplex.data.synthetic import generate_synthetic_task
 from torchplex.rl import rewards
-from torchplex.runtime import grpo_step
+from torchplex.runtime import training
 from torchplex.train import Trainer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -326,13 +326,13 @@ def test_a_non_finite_loss_skips_that_step_and_its_checkpoint(tmp_path, tiny_ckp
     argv = fast_args(tiny_ckpt, synthetic_dir, tmp_path, "nan", "--training.steps=3", "--checkpoint.enable=true",
                      "--checkpoint.interval=1", "--checkpoint.keep_latest_k=0")
     trainer = Trainer(load_config(argv))
-    loss_fn = grpo_step.policy_loss
+    loss_fn = training.policy_loss
 
     def nan_loss_at_step_2(*args, **kwargs):
         loss, stats = loss_fn(*args, **kwargs)
         return (loss * math.nan, stats) if trainer.step == 2 else (loss, stats)
 
-    monkeypatch.setattr(grpo_step, "policy_loss", nan_loss_at_step_2)
+    monkeypatch.setattr(training, "policy_loss", nan_loss_at_step_2)
     snapshots = [params_of(trainer.actor)]
     run_step = trainer.train_step
 

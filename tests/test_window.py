@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from torchplex.runtime.grpo_step import Experience, request_from_outputs, score_request
+from torchplex.runtime.experience import Experience, request_from_outputs, score_request
 from torchplex.runtime.window import WindowWorker
 
 
@@ -89,7 +89,7 @@ def test_request_from_outputs_equals_the_experience_request():
 
 
 def test_micro_batches_keep_groups_whole_also_when_some_samples_are_missing():
-    from torchplex.runtime.grpo_step import micro_batches
+    from torchplex.runtime.experience import micro_batches
 
     assert micro_batches(list(range(8)), 4, 4, True) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert micro_batches(list(range(8)), 4, 8, True) == [list(range(8))]

@@ -225,24 +225,19 @@ class MetricsConfig:
 class RuntimeConfig:
     mode: Literal["serial", "decomposed", "overlapped"] = "serial"
     checkpoint_prefix: bool = False  # decomposed/overlapped: recompute the prefix in backward instead of holding it
-    # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket (CUDA graphs on a GPU);
-    # needs a reference of plain tensors (tp 1, no FSDP2 sharding)
-    ref_prefix_graphs: bool = False
     # decomposed: the step's actor prefixes in batched forwards at the start of training, held for the first
-    # epoch's micro-batches as the train stage's memory allows, their backward one batched pass (planner.PlanOptions);
+    # epoch's micro-batches as the train stage's memory allows, their backward one batched pass (plan.PlanOptions);
     # on one process the prompts that room leaves out follow in rounds of the same room, and overlapped holds the
     # prompts its fused prefill left out in such rounds (memory_budget.choose_train_rounds); false: one prefix
     # forward and backward per micro-batch for every prompt not held
     batched_actor_prefix: bool = True
     # decomposed/overlapped: every prompt's reference prefix in batched no-grad forwards at the start of the ref stage,
-    # their K/V held for the reference micro-batches' suffixes (planner.PlanOptions)
+    # their K/V held for the reference micro-batches' suffixes (plan.PlanOptions)
     batched_ref_prefix: bool = True
     # overlapped: the reference prefixes, and the reference log-probs of each sample as soon as it has finished,
     # computed in the rollout decode window on a second host thread (runtime/window.py); equal up to rounding
     reference_in_window: bool = False
     window_sample_batch: int = 0  # overlapped window: finished samples of a prompt per job; 0: half a group
-    # score only the valid tokens of a micro-batch (varlen; runtime/packing.py); false: rows padded to the longest
-    packed_scoring: bool = True
 
 
 @dataclass

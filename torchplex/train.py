@@ -5,7 +5,7 @@
 
 Each step: rollout (native engine on the actor's own weights; with parallelism.rollout_tp != tp on a rollout model
 that shares them, runtime/rollout_weights.py) -> rewards and group advantages -> reference
-log-probs -> PPO-clip training, run by the step executor (runtime/executor.py). `runtime.mode` picks the schedule:
+log-probs -> PPO-clip training, one GRPOStep (runtime/step.py) a step. `runtime.mode` picks how it runs:
 "serial" (every sample a full prompt+response forward), "decomposed" (the prompt prefix once per prompt, shared by
 its G samples) or "overlapped" (decomposed, with the actor prefix fused into the rollout prefill).
 """
@@ -55,7 +55,7 @@ from .components.flops import step_flops
 from .runtime.build import build_step_runtime
 from .runtime.memory_budget import COMPACT, GRAPH
 from .runtime.phases import Stage
-from .runtime.grpo_step import all_reduce_sums, kl_to_reference
+from .runtime.experience import all_reduce_sums, kl_to_reference
 from .runtime.rollout_weights import build_rollout_engine
 from .runtime.scoring import ScoreRequest, SerialScorer
 from .run_folder import RunFolderError, check_run_folder, clear_run_folder, may_write_tiny_checkpoint, \
@@ -189,11 +189,11 @@ class Trainer:
         self.runner = build_step_runtime(cfg, self.actor, self.reference, self.engine, self.optimizer,
                                          self.lr_scheduler, self.tokenizer, pad_id=self.pad_id, dp_size=self.dp_size,
                                          dp_group=self.dp_group)
-        self.memory = self.runner.memory  # memory.managed: residency per stage of the runner's schedule
-        if self.memory is not None and self.rank == 0:
-            (self.run_dir / "memory_plan.json").write_text(self.memory.plan.to_json())
-            log.info("memory plan:\n%s", self.memory.plan)
-        self._schedule_written = False
+        self.residency = self.runner.residency  # memory.managed: what is on the device in each stage
+        if self.residency is not None and self.rank == 0:
+            (self.run_dir / "memory_plan.json").write_text(self.residency.plan.to_json())
+            log.info("memory plan:\n%s", self.residency.plan)
+        self._plan_written = False
         self.step = 0
         self.skipped_samples = 0
         self.unequal_share_dropped = 0  # good prompts cut so that every data-parallel rank has as many
@@ -415,10 +415,10 @@ class Trainer:
         out = self.runner.run(batch.prompts, reward_answers(batch.records, self.reward_ledger), params,
                               sample_seeds=self.sample_seeds(params, global_indices), phase_timer=timer)
         exp, result = out.experience, out.train
-        if not self._schedule_written and self.rank == 0:  # the first step's schedule, and why work runs where
-            (self.run_dir / "schedule.json").write_text(out.schedule.to_json())
-            log.info("step schedule:\n%s", out.schedule)
-        self._schedule_written = True
+        if not self._plan_written and self.rank == 0:  # the first step's plan, and why work runs where
+            (self.run_dir / "plan.json").write_text(out.plan.to_json())
+            log.info("step plan:\n%s", out.plan)
+        self._plan_written = True
         rewards = exp.rewards
         prompt_tokens = sum(len(p.input_ids) for p in batch.prompts) * params.n
         metrics.update({
@@ -436,7 +436,7 @@ class Trainer:
             "reward/failures": self._sum(float(self.reward_ledger.failures)),
             "skipped/bad_records": float(self.bad_records.total),
         })
-        metrics.update(self._token_metrics())
+        metrics.update(self._token_metrics(out.report))
         metrics.update(self._flops_metrics(out))
         metrics.update({k: v - decode_before[k] for k, v in self._decode_counters().items()})
         for name, values in exp.reward_parts.items():
@@ -454,8 +454,8 @@ class Trainer:
             metrics["kl"] = kl
         metrics.update(self._logprob_mismatch(exp))
         metrics.update(timer.metrics())
-        if self.memory is not None:  # plan next to what the manager held (and measured, on CUDA)
-            for record in self.memory.records[-len(self.memory.plan.phases):]:
+        if self.residency is not None:  # plan next to what the manager held (and measured, on CUDA)
+            for record in self.residency.records[-len(self.residency.plan.phases):]:
                 metrics[f"memory/{record.phase}_plan_gib"] = record.planned_peak_bytes / 2**30
                 metrics[f"memory/{record.phase}_tracked_gib"] = record.tracked_bytes / 2**30
         metrics["time/step_s"] = time.perf_counter() - t0
@@ -476,12 +476,12 @@ class Trainer:
         exp, g = out.experience, out.experience.group_size
         lengths = exp.lengths.tolist()
         kept = exp.keep_groups.tolist()
-        fused = [c.prompt for c in out.schedule.prefix_forms if c.form in (GRAPH, COMPACT) and kept[c.prompt]]
+        fused = [c.prompt for c in out.report.held_forms if c.form in (GRAPH, COMPACT) and kept[c.prompt]]
         count = lambda prompts, fused: step_flops(
             self.actor.args, [len(exp.prompts[i].input_ids) for i in prompts], [visual_grids(exp.prompts[i]) for i in prompts],
-            [lengths[i * g:(i + 1) * g] for i in prompts], serial=out.schedule.mode == "serial",
-            has_reference=self.reference is not None, vision_trains=self.runner._vision_trainable(),
-            vision_stage=Stage.VISION in out.schedule.stages(), fused=fused)
+            [lengths[i * g:(i + 1) * g] for i in prompts], serial=out.plan.mode == "serial",
+            has_reference=self.reference is not None, vision_trains=self.runner.vision_trainable(),
+            vision_stage=Stage.VISION in out.plan.stages(), fused=fused)
         every = count(range(len(exp.prompts)), [])
         trained = count([i for i in range(len(exp.prompts)) if kept[i]], [sum(kept[:i]) for i in fused])
         every["train"] = trained["train"].scaled(self.cfg.algorithm.ppo_epochs)
@@ -497,19 +497,12 @@ class Trainer:
         return {"rollout/decode_s": stats.decode_s, "rollout/decode_steps": float(stats.decode_steps),
                 "rollout/generated_tokens": float(stats.generated_tokens)}
 
-    def _token_metrics(self) -> dict[str, float]:
+    def _token_metrics(self, report) -> dict[str, float]:
         """Decoder token-forwards of this step's scoring (reference + actor), and what serial would have run."""
-        scorer = self.runner.scorer
-        counts = scorer.counts
-        local = [counts.prefix_tokens, counts.response_tokens,
-                 getattr(scorer, "serial_equivalent_tokens", counts.total)]
+        local = [report.tokens.prefix_tokens, report.tokens.response_tokens, report.serial_equivalent_tokens]
         prefix, response, serial = all_reduce_sums(local, self.device, self.dp_group)  # the whole job's work
-        out = {"tokens/prefix": prefix, "tokens/response": response, "tokens/serial_equivalent": serial,
-               "tokens/saving_x": serial / max(prefix + response, 1)}
-        counts.prefix_tokens = counts.response_tokens = counts.vision_patches = 0
-        if hasattr(scorer, "serial_equivalent_tokens"):
-            scorer.serial_equivalent_tokens = 0
-        return out
+        return {"tokens/prefix": prefix, "tokens/response": response, "tokens/serial_equivalent": serial,
+                "tokens/saving_x": serial / max(prefix + response, 1)}
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -524,8 +517,8 @@ class Trainer:
             if self.rank == 0:
                 copy_non_weight_files(self.cfg.model.hf_checkpoint, self.run_dir / "hf_export")
         self.metrics.close()
-        if self.memory is not None and self.rank == 0:
-            self.memory.save(self.run_dir / "memory_measured.json")
+        if self.residency is not None and self.rank == 0:
+            self.residency.save(self.run_dir / "memory_measured.json")
         if self.rank == 0:
             self.summary.plot = self._plot()
         self.summary.steps_done, self.summary.stopped_early = self.step, self.stop.requested

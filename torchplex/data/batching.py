@@ -75,3 +75,35 @@ def encode_visuals(model, batch: ModelBatch) -> tuple[torch.Tensor | None, torch
     video = (model.encode_vision(batch.pixel_values_videos, batch.video_grid_thw)
              if batch.pixel_values_videos is not None else None)
     return image, video
+
+
+# ---- batches cut by a token budget: the rollout's prefill admissions, the vision tower's encodings, the batched
+# prefix forwards all cut their items with these, so what the memory budget counts is what runs ----------------------
+def token_batches(items: Sequence, max_tokens: int, length=len, max_items: int | None = None) -> list[list]:
+    """`items` in order, cut greedily into batches of at most `max_tokens` tokens (an item longer than that alone)
+    and at most `max_items` items."""
+    batches: list[list] = []
+    left = 0
+    for item in items:
+        if not batches or length(item) > left or (max_items is not None and len(batches[-1]) >= max_items):
+            batches.append([])
+            left = max_tokens
+        batches[-1].append(item)
+        left -= length(item)
+    return batches
+
+
+def length_groups(items: Sequence, ratio: float = 1.25, length=len) -> list[list]:
+    """The items in ascending length, cut where one is longer than `ratio` times its group's shortest: a batch
+    right-pads every item to its longest, so one batch per group keeps its padding within `ratio`."""
+    groups: list[list] = []
+    for item in sorted(items, key=length):
+        if not groups or length(item) > ratio * length(groups[-1][0]):
+            groups.append([])
+        groups[-1].append(item)
+    return groups
+
+
+def padded_tokens(lengths: Sequence[int]) -> int:
+    """Tokens of one right-padded batch of these lengths."""
+    return len(lengths) * max(lengths) if lengths else 0

@@ -1,4 +1,4 @@
-"""Generic FSDP2 helpers that any model, the rollout engine and the step executor share (no model knowledge).
+"""Generic FSDP2 helpers that any model, the rollout engine and the step share (no model knowledge).
 
 `gathered` keeps a model's units gathered across a phase whose number of forwards differs between ranks;
 `reshard` frees what no-grad forwards left gathered. A model's parallelize function (e.g.

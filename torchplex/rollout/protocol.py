@@ -5,7 +5,7 @@ The shape follows verl's `BaseRollout` (generate, update weights, release, resum
 to hand the engine's memory (KV pool, gathered weights) back for the phases after rollout, and `resume()` before
 the next generate. Engines whose weights are the actor's own storage do nothing in `update_weights`.
 
-Capabilities are declared, not discovered: the planner (runtime/planner.py) places fused or decode-window work
+Capabilities are declared, not discovered: the planner (runtime/plan.py) places fused or decode-window work
 only where the engine supports it and records in the schedule why it did not otherwise. An engine given a hook it
 does not support raises (`reject_unsupported_hooks`) instead of dropping it, so a schedule can never say
 `window:rollout` while nothing runs there. This is the seam an SGLang backend plugs into.
@@ -36,6 +36,15 @@ class RolloutCapabilities:
 @runtime_checkable
 class RolloutEngineProtocol(Protocol):
     capabilities: RolloutCapabilities
+    # what the step's memory estimate reads (runtime/memory_estimate.py): the KV memory generate takes on the
+    # device (0: the engine's own, outside the step's budget), the samples decoded at once, the prompt tokens of
+    # one prefill, and one prompt group's bytes in the pool (0: not planned by the step)
+    kv_pool_bytes: int
+    max_batch: int
+    prefill_tokens: int
+
+    def pool_group_bytes(self, n: int, max_prompt: int, max_new: int) -> int:
+        """KV bytes of one group of n samples of a prompt of max_prompt tokens and max_new new tokens."""
 
     def generate(self, prompts: Sequence, params, *, sample_seeds: Sequence[Sequence[int]] | None = None,
                  on_step: Callable | None = None, prefill_fn: Callable | None = None,
@@ -60,4 +69,4 @@ def reject_unsupported_hooks(engine_name: str, capabilities: RolloutCapabilities
     unsupported = [name for name, (hook, ok) in given.items() if hook is not None and not ok]
     if unsupported:
         raise ValueError(f"{engine_name} does not support {', '.join(unsupported)} ({capabilities.why_not}); the "
-                         f"planner should not have placed work there (runtime/planner.py reads its capabilities)")
+                         f"planner should not have placed work there (runtime/plan.py reads its capabilities)")

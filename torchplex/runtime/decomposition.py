@@ -16,7 +16,7 @@ the prefix tensors detached, as leaves that require grad: their backward accumul
 into `.grad` at once and leaves the prefix tensors' gradients on the leaves; a second backward from the prefix
 tensors with those gradients adds the prefix part (tests/test_suffix_grad_memory.py measures the difference).
 
-The overlapped mode's fused prefill (runtime/overlap.py) runs the prompts of one rollout prefill as one batched
+The overlapped mode's fused prefill (runtime/prefixes.py) runs the prompts of one rollout prefill as one batched
 forward with autograd, and each prompt's state is a slice of it, held in the step's PrefixStore. A graph can be
 backpropagated once, so the prefix part of those micro-batches is held back and run once for the whole batch in
 `finish_backward()`, after the epoch's last micro-batch: one batched prefix backward instead of one per prompt (the
@@ -34,10 +34,9 @@ from torch.utils.checkpoint import checkpoint
 from ..data.batching import collate
 from ..models.attention import PrefixState
 from ..models.qwen2_5_vl.parallelize import under_current_recompute
-from .overlap import PrefixStore, merge_prefix_states, prompt_part
+from .prefixes import PrefixStore, merge_prefix_states, prompt_part
 from .packing import PackedResponses, decomposed_predictors, packed_scores
-from .prefix_graphs import PrefixGraphs
-from .scoring import ScoreRequest, TokenCounts, _patches, response_scores
+from .scoring import ScoreRequest, TokenCounts, _patches
 
 
 def tower_trains(model) -> bool:
@@ -50,7 +49,7 @@ BATCH_PATCHES = 65536  # patches per batched encoding of a frozen tower: 16 of t
 class VisionCache:
     """Visual embeddings of this step's prompts, per vision tower, for towers that do not train.
 
-    Keyed by the tower module and the prompt object; one per step (the executor's, given to
+    Keyed by the tower module and the prompt object; one per step (the step's, given to
     DecomposedScorer.new_step). A frozen actor tower shared with the reference model (same module) therefore encodes
     each prompt exactly once per step.
     """
@@ -129,31 +128,34 @@ class DeferredPrefix:
 class DecomposedScorer:
     """split_prefix_backward: with autograd on, the suffixes read detached prefix leaves and `backward(loss)` runs
     the suffix part, then the prefix part (see the module docstring); False keeps one backward through both
-    (the same numbers up to summation order, plus a pending copy of the shared weights' gradients).
-    pack: run a micro-batch's suffixes as one packed token dimension (runtime/packing.py), not padded to the
-    longest response."""
+    (the same numbers up to summation order, plus a pending copy of the shared weights' gradients). A micro-batch's
+    suffixes run as one packed token dimension (runtime/packing.py)."""
 
     def __init__(self, pad_id: int = 0, checkpoint_prefix: bool = False, vision_cache: VisionCache | None = None,
-                 split_prefix_backward: bool = True, pack: bool = True):
+                 split_prefix_backward: bool = True):
         self.pad_id = pad_id
-        self.pack = pack
         self.checkpoint_prefix = checkpoint_prefix
         self.split_prefix_backward = split_prefix_backward
         self._deferred: list[DeferredPrefix] = []  # prefix parts of scored losses, until `backward` runs them
         self._held_back: tuple[list, list] = ([], [])  # (roots, gradients) of batched prefixes, for finish_backward
         self.vision = vision_cache or VisionCache()
         self.store = PrefixStore()
-        self.prefix_graphs: dict[int, PrefixGraphs] = {}  # id(frozen model) -> its prefix graphs (no-grad prefixes)
         self.counts = TokenCounts()
         self.serial_equivalent_tokens = 0  # what SerialScorer would have run for the same requests
 
     def new_step(self, store: PrefixStore | None = None, vision: VisionCache | None = None) -> None:
-        """A new step with its step-scoped state, the executor's for this step: the held prefixes (`store`, which
+        """A new step with its step-scoped state, the step's own: the held prefixes (`store`, which
         the overlap code fills) and the frozen tower's encodings (`vision`); fresh ones when None."""
         self.vision = vision if vision is not None else VisionCache()
         self.store = store if store is not None else PrefixStore()
         self._deferred.clear()
         self._held_back = ([], [])
+
+    def take_counts(self) -> tuple[TokenCounts, int]:
+        """(the token-forwards scored since the last call, what the serial step would have scored), reset."""
+        counts, serial = self.counts, self.serial_equivalent_tokens
+        self.counts, self.serial_equivalent_tokens = TokenCounts(), 0
+        return counts, serial
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() for losses of this scorer's `score` outputs: the suffix part (every weight's suffix
@@ -222,20 +224,11 @@ class DecomposedScorer:
             return merge_prefix_states([st if st is not None else next(parts) for st in states]), None, batched
         device = next(model.parameters()).device
         batch = collate(model.args, prompts, pad_id=self.pad_id).to(device)
-        graphs = self.prefix_graphs.get(id(model))
-        if graphs is not None and not torch.is_grad_enabled():
-            states = []
-            for i, p in enumerate(prompts):  # one prompt per graph: its bucket is its own length's
-                length = len(p.input_ids)
-                image, video = self.visual_embeds(model, [p])
-                states.append(graphs(batch.input_ids[i:i + 1, :length], batch.position_ids[:, i:i + 1, :length],
-                                     batch.next_position[i:i + 1], image_embeds=image, video_embeds=video))
-            return merge_prefix_states(states), batch, False
         image, video = self.visual_embeds(model, prompts, batch)
         run = lambda img, vid: model.prefix_forward(batch.input_ids, batch.position_ids, batch.next_position,
                                                      batch.lengths, image_embeds=img, video_embeds=vid)
         if self.checkpoint_prefix and torch.is_grad_enabled():
-            return checkpoint(under_current_recompute(run), image, video, use_reentrant=False), batch, False
+            return checkpoint(under_current_recompute(model, run), image, video, use_reentrant=False), batch, False
         return run(image, video), batch, False
 
     def score(self, model, request: ScoreRequest, temperature: float, with_entropy: bool = False):
@@ -263,22 +256,10 @@ class DecomposedScorer:
 
     def _suffix_scores(self, model, prefix: PrefixState, request: ScoreRequest, temperature: float,
                        with_entropy: bool, prompt_tokens: int):
-        if self.pack:
-            layout = PackedResponses(request)
-            self._count(request, prompt_tokens, layout.count)
-            hidden = decomposed_predictors(model, prefix, request, layout)
-            return packed_scores(model, hidden, layout, request.tokens, temperature, with_entropy)
-        device = request.tokens.device
-        owner = torch.tensor(request.prompt_index, device=device)
-        first = prefix.last_hidden[owner][:, None]  # predicts response token 0
-        if request.tokens.shape[1] > 1:
-            # Suffix inputs are the responses without their last token: row j predicts token j + 1.
-            rest = model.suffix_forward(prefix, request.tokens[:, :-1], (request.lengths - 1).clamp(min=1), owner)
-            hidden = torch.cat([first, rest], dim=1)
-        else:
-            hidden = first
-        self._count(request, prompt_tokens, int(request.lengths.sum()))
-        return response_scores(model, hidden, request.tokens, temperature, with_entropy)
+        layout = PackedResponses(request)
+        self._count(request, prompt_tokens, layout.count)
+        hidden = decomposed_predictors(model, prefix, request, layout)
+        return packed_scores(model, hidden, layout, request.tokens, temperature, with_entropy)
 
     def _count(self, request: ScoreRequest, prompt_tokens: int, response_tokens: int) -> None:
         self.counts.add(TokenCounts(prefix_tokens=prompt_tokens, response_tokens=response_tokens,
@@ -288,7 +269,7 @@ class DecomposedScorer:
 
     def rollout_prefill(self, model):
         """A no-grad prefill for the rollout engine that takes the visual embeddings from this step's cache, so the
-        frozen tower's one encoding per prompt also serves rollout (the fused prefill is overlap.fused_prefill)."""
+        frozen tower's one encoding per prompt also serves rollout (the fused prefill is prefixes.fused_prefill)."""
 
         @torch.no_grad()
         def prefill(prompts):

@@ -134,16 +134,23 @@ def send_outputs(outputs: list[list[SampleOutput]], max_new: int, *, src: int, d
 class RemoteRollout:
     """The trainer's stand-in for a RolloutEngine: `generate` receives the samples the rollout rank broadcasts.
 
-    It has the engine's call signature, so the StepRunner runs unchanged on the trainer: its "rollout" stage is
+    It has the engine's call signature, so the step runs unchanged on the trainer: its "rollout" stage is
     then the wait for the rollout rank. The prefill/decode-window hooks cannot reach a remote engine: declared in
-    `capabilities`, so the planner leaves an overlapped schedule's fusion and window work on the trainer's main
-    stream (and says so in the schedule's reasons). The weights travel the other way with `WeightTransfer`, which
+    `capabilities`, so the planner leaves an overlapped plan's fusion and window work on the trainer's main
+    stream (and says so in the plan's reasons). Its KV cache lives in the rollout process: nothing of the trainer's
+    memory budget. The weights travel the other way with `WeightTransfer`, which
     the caller runs after each optimizer step (both processes take part in that broadcast).
     """
 
     capabilities = RolloutCapabilities(
         prefill_hook=False, samples_finished_hook=False, step_hook=False, shares_actor_weights=False,
         why_not="disaggregated: rollout runs in another process")
+    kv_pool_bytes = 0
+    max_batch = 1 << 20
+    prefill_tokens = 16384
+
+    def pool_group_bytes(self, n: int, max_prompt: int, max_new: int) -> int:
+        return 0
 
     src: int
     device: torch.device

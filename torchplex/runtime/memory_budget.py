@@ -14,7 +14,7 @@ from what is left, how each prompt's actor prefix may be held from the rollout t
 
 Holding forms, chosen per prompt in admission order (`choose_prefix_forms`):
     graph       the whole autograd graph of the fused prefill (bytes per token: overlap.SavedBytes, measured on the
-                first fused step; executor's _graph_estimate until then), for as many prompts as fit in the room
+                first fused step; memory_estimate's prior until then), for as many prompts as fit in the room
     compact     the fused prefill under per-layer checkpointing (overlap.CompactPrefix): what it holds is each decoder
                 layer's (and trainable vision block's) input, the layer-boundary hidden states, and the prefix K/V
                 with their graph (both forms count every storage the held prefix keeps alive once: SavedBytes);
@@ -88,6 +88,7 @@ class MemoryBudget:
     # the most prefixes held at once may take (held_cap_for_whole_graphs; None: no cap), and why
     held_cap_bytes: int | None = None
     held_cap: str = ""
+    kv_pool_bytes: int = 0  # the rollout's KV pool this budget was planned with (sized here when rollout.kv_pool_gib 0)
 
     def stage_bytes(self, stage: str) -> int:
         return sum(self.residents.get(stage, {}).values())

@@ -1,11 +1,11 @@
-"""The step's phase vocabulary, defined once: the planner's schedule, the executor's loop, the memory plan, the
+"""The step's phase vocabulary, defined once: the step's plan, the step itself, the memory plan, the
 timeline's colours and the metrics' phase timers all spell phases with these names.
 
 Two levels:
-  phases   what the planner schedules (`planner.Phase`): vision, rollout, actor_prefix, ref_prefix, ref_suffix,
+  phases   what the plan places (`plan.Phase`): vision, rollout, actor_prefix, ref_prefix, ref_suffix,
            ref (serial: full forwards), train. Each has a placement: on the main stream, fused into another
            phase, or in the rollout's decode window.
-  stages   the main-stream sections the executor runs in order and times (`Stage`): vision, rollout, ref, train.
+  stages   the main-stream sections the step runs in order and times (`Stage`): vision, rollout, ref, train.
            A phase runs inside one stage (`stage_of`): a main ref_prefix inside `ref`, a windowed one inside
            `rollout`. Memory residency (runtime/memory_plan.py) and the phase timers (time/<stage>_s) are per
            stage, since that is what a phase boundary on the main stream is.

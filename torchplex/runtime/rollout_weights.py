@@ -3,7 +3,7 @@
 The actor trains under TP `t_train`; rollout runs the same network under TP `t_roll` on a rollout model whose
 weights are the actor's storage where the layouts allow and rollout-owned buffers elsewhere
 (distributed/weight_sharing.py). `SharedRolloutEngine` has the engine's interface (`generate`, `release`), so
-the step executor and the trainer use it as they use a plain `RolloutEngine`:
+the step and the trainer use it as they use a plain `RolloutEngine`:
 
   generate   resync the rollout weights (FSDP2 regather + refill of rebuilt buffers: after every optimizer step,
              before the next rollout), sample, then release the gathered actor again
@@ -75,6 +75,26 @@ class SharedRolloutEngine:
     @property
     def stats(self):
         return self.engine.stats
+
+    # the step's memory estimate reads the pool of the engine that decodes (rollout.protocol)
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.engine.kv_pool_bytes
+
+    @kv_pool_bytes.setter
+    def kv_pool_bytes(self, value: int) -> None:
+        self.engine.kv_pool_bytes = value
+
+    @property
+    def max_batch(self) -> int:
+        return self.engine.max_batch
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.engine.prefill_tokens
+
+    def pool_group_bytes(self, n: int, max_prompt: int, max_new: int) -> int:
+        return self.engine.pool_group_bytes(n, max_prompt, max_new)
 
     def release(self) -> None:
         self.engine.release()

@@ -14,8 +14,6 @@ from typing import Protocol, Sequence
 
 import torch
 
-from ..data.batching import collate, encode_visuals
-from ..rl.logprobs import entropy_from_hidden, logprobs_from_hidden
 from .packing import PackedResponses, packed_scores, serial_predictors
 
 
@@ -74,51 +72,35 @@ class Scorer(Protocol):
     def finish_backward(self) -> None:
         """After an epoch's last micro-batch: whatever gradient work `backward` held back."""
 
+    def new_step(self, store=None, vision=None) -> None:
+        """A new step's step-scoped state (held prefixes, the frozen tower's encodings), fresh ones when None."""
 
-def response_scores(model, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool,
-                    chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """hidden (S, R, D) where row j predicts tokens[:, j] -> log-probs (S, R) and optionally entropies, both
-    differentiable when grad is enabled (the entropy for the loss's entropy bonus)."""
-    logp = logprobs_from_hidden(hidden, model.output_weight, tokens, temperature=temperature, chunk_size=chunk_size)
-    entropy = None
-    if with_entropy:
-        entropy = entropy_from_hidden(hidden, model.output_weight, temperature, chunk_size).float()
-    return logp, entropy
+    def take_counts(self) -> tuple[TokenCounts, int]:
+        """(the token-forwards scored since the last call, what the serial step would have scored), reset."""
 
 
 class SerialScorer:
-    """Each response as its own full prompt+response sequence (vision and prompt recomputed per sample).
+    """Each response as its own full prompt+response sequence (vision and prompt recomputed per sample), its valid
+    tokens packed (runtime/packing.py)."""
 
-    pack: run the rows' valid tokens packed (runtime/packing.py), not padded to the longest row."""
-
-    def __init__(self, pad_id: int = 0, pack: bool = True):
+    def __init__(self, pad_id: int = 0):
         self.pad_id = pad_id
-        self.pack = pack
         self.counts = TokenCounts()
 
+    def new_step(self, store=None, vision=None) -> None:
+        """Nothing is step-scoped here (the decomposed scorer holds prefixes and encodings per step)."""
+
+    def take_counts(self) -> tuple[TokenCounts, int]:
+        """(this step's token counts, what the serial step scored: the same), the counters reset."""
+        counts, self.counts = self.counts, TokenCounts()
+        return counts, counts.total
+
     def score(self, model, request: ScoreRequest, temperature: float, with_entropy: bool = False):
-        if self.pack:
-            layout = PackedResponses(request)
-            hidden, prompts = serial_predictors(model, request, layout, self.pad_id)
-            self.counts.add(TokenCounts(prefix_tokens=sum(len(p.input_ids) for p in prompts),
-                                        response_tokens=layout.count,
-                                        vision_patches=sum(_patches(p) for p in prompts)))
-            return packed_scores(model, hidden, layout, request.tokens, temperature, with_entropy)
-        device = request.tokens.device
-        responses = [request.tokens[s, :int(request.lengths[s])].tolist() for s in range(request.tokens.shape[0])]
-        prompts = [request.prompts[i] for i in request.prompt_index]
-        batch = collate(model.args, prompts, responses, pad_id=self.pad_id).to(device)
-        image, video = encode_visuals(model, batch)
-        hidden = model(batch.input_ids, batch.position_ids, image_embeds=image, video_embeds=video,
-                       attention_mask=batch.attention_mask, prompt_lengths=batch.prompt_lengths)
-        # Row j of a response is predicted by the hidden state one position before it.
-        prompt_lens = torch.tensor([len(p.input_ids) for p in prompts], device=device)
-        width = request.tokens.shape[1]
-        index = (prompt_lens[:, None] - 1 + torch.arange(width, device=device)[None]).clamp(max=hidden.shape[1] - 1)
-        picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
-        self.counts.add(TokenCounts(prefix_tokens=int(prompt_lens.sum()), response_tokens=int(request.lengths.sum()),
+        layout = PackedResponses(request)
+        hidden, prompts = serial_predictors(model, request, layout, self.pad_id)
+        self.counts.add(TokenCounts(prefix_tokens=sum(len(p.input_ids) for p in prompts), response_tokens=layout.count,
                                     vision_patches=sum(_patches(p) for p in prompts)))
-        return response_scores(model, picked, request.tokens, temperature, with_entropy)
+        return packed_scores(model, hidden, layout, request.tokens, temperature, with_entropy)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

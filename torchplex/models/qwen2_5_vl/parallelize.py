@@ -74,70 +74,108 @@ def apply_tp(model: Qwen2_5_VLModel, tp_mesh) -> None:
 
 
 # ---- activation checkpointing ------------------------------------------------------------------------
-# The block's class is swapped for a subclass whose forward runs under non-reentrant checkpointing, the way
-# FSDP2 swaps classes, instead of wrapping the block in another module: parameter names stay exactly
-# `layers.3.attention.wq.weight`, so loaders, optimizers and state dicts see the same model either way.
+# Each block's class is swapped once, at set-up, for a subclass whose forward may run under non-reentrant
+# checkpointing, the way FSDP2 swaps classes, instead of wrapping the block in another module: parameter names stay
+# exactly `layers.3.attention.wq.weight`, so loaders, optimizers and state dicts see the same model either way.
+# Whether a forward checkpoints is read from the block instance, set by the contexts below on the model's blocks
+# (never a class swap at run time):
+#   _recomputes    activation checkpointing is configured for this block (apply_activation_checkpointing)
+#   _recompute     the current choice for a configured block (`recompute`, default True)
+#   _keep_inputs   a callable counting the input each block keeps (`keep_block_inputs`: the compact prefix form),
+#                  which checkpoints every block of the model, configured or not
 # Eager recompute replays the layer's Python side effects: a PrefixAttention context records that layer's
 # K/V once more during backward (extra list entries after the first num_layers; those are never read).
 _CHECKPOINTED_CLASSES: dict[type, type] = {}
-# Whether checkpointed blocks recompute in backward (`recompute`), read by the checkpoint wrapper, which runs eagerly
-# around the compiled layer functions (apply_compile). Only the thread that trains reads it with grad enabled; the
-# decode window's thread scores under no_grad.
-_RECOMPUTE = True
 
 
-@contextmanager
-def recompute(enabled: bool):
-    """Within this block, checkpointed decoder layers and vision blocks recompute in backward (`enabled`, the
-    default outside any block) or keep their whole graph like unwrapped ones (the same numbers, no recompute:
-    the memory budget lets a micro-batch that fits skip the ~1/3 extra compute). Decided at forward time: the
-    backward of a forward run under recompute(False) recomputes nothing, wherever it runs."""
-    global _RECOMPUTE
-    before, _RECOMPUTE = _RECOMPUTE, bool(enabled)
-    try:
-        yield
-    finally:
-        _RECOMPUTE = before
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers and vision blocks: the units a checkpoint wraps."""
+    return list(model.layers) + list(getattr(model.visual, "blocks", []))
 
 
-def under_current_recompute(fn):
-    """`fn`, run under the recompute setting current now: for a function an outer checkpoint() reruns in backward
-    (outside the forward's `recompute` block), whose rerun must save what its forward saved."""
-    enabled = _RECOMPUTE
-
-    def run(*args, **kwargs):
-        with recompute(enabled):
-            return fn(*args, **kwargs)
-
-    return run
+def _checkpoints(block: nn.Module) -> bool:
+    state = block.__dict__
+    return state.get("_keep_inputs") is not None or (state.get("_recomputes", False) and state.get("_recompute", True))
 
 
 def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
     if cls not in _CHECKPOINTED_CLASSES:
         def forward(self, *args, **kwargs):
-            if not torch.is_grad_enabled() or not _RECOMPUTE:  # nothing to save (rollout, reference), or told to
-                # keep the whole graph; and checkpoint() is opaque to torch.compile, which decode needs to see through
+            if not torch.is_grad_enabled() or not _checkpoints(self):  # nothing to save (rollout, reference), or
+                # told to keep the whole graph; checkpoint() is opaque to torch.compile, which decode sees through
                 return cls.forward(self, *args, **kwargs)
+            keep = self.__dict__.get("_keep_inputs")
+            if keep is not None:
+                keep(args[0])
             return checkpoint(fusion.under_current_mode(cls.forward), self, *args, use_reentrant=False, **kwargs)
 
         _CHECKPOINTED_CLASSES[cls] = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
     return _CHECKPOINTED_CLASSES[cls]
 
 
+def wrap_blocks(model: nn.Module) -> None:
+    """Give every block the checkpoint-capable class (idempotent; no block recomputes until told to)."""
+    for block in blocks_of(model):
+        if not any(isinstance(block, c) for c in _CHECKPOINTED_CLASSES.values()):
+            block.__class__ = _checkpointed_class(type(block))
+
+
 def checkpoint_block(block: nn.Module) -> None:
     """Recompute this block's activations in backward instead of keeping them. Idempotent."""
     if not any(isinstance(block, c) for c in _CHECKPOINTED_CLASSES.values()):
         block.__class__ = _checkpointed_class(type(block))
+    block.__dict__["_recomputes"] = True
 
 
 def is_checkpointed(model: nn.Module) -> bool:
     """Whether any decoder layer or vision block of `model` recomputes in backward (checkpoint_block)."""
-    blocks = list(model.layers) + list(getattr(model.visual, "blocks", []))
-    return any(isinstance(b, c) for b in blocks for c in _CHECKPOINTED_CLASSES.values())
+    return any(b.__dict__.get("_recomputes", False) for b in blocks_of(model))
+
+
+@contextmanager
+def _block_attribute(model: nn.Module, name: str, value):
+    blocks = blocks_of(model)
+    before = [b.__dict__.get(name) for b in blocks]
+    for b in blocks:
+        b.__dict__[name] = value
+    try:
+        yield
+    finally:
+        for b, old in zip(blocks, before):
+            if old is None:
+                b.__dict__.pop(name, None)
+            else:
+                b.__dict__[name] = old
+
+
+def recompute(model: nn.Module, enabled: bool):
+    """Within this block, `model`'s checkpointed decoder layers and vision blocks recompute in backward
+    (`enabled`, the default outside any block) or keep their whole graph like unwrapped ones (the same numbers, no
+    recompute: the memory budget lets a micro-batch that fits skip the ~1/3 extra compute). Decided at forward time:
+    the backward of a forward run under recompute(model, False) recomputes nothing, wherever it runs."""
+    return _block_attribute(model, "_recompute", bool(enabled))
+
+
+def keep_block_inputs(model: nn.Module, keep):
+    """Within this block, every block of `model` (wrap_blocks) keeps only its input for backward, which recomputes
+    it from there, and calls `keep(input)` on it: the compact form of a held prefix (runtime/prefixes.py)."""
+    return _block_attribute(model, "_keep_inputs", keep)
+
+
+def under_current_recompute(model: nn.Module, fn):
+    """`fn`, run under `model`'s recompute setting current now: for a function an outer checkpoint() reruns in
+    backward (outside the forward's `recompute` block), whose rerun must save what its forward saved."""
+    enabled = next((b.__dict__.get("_recompute", True) for b in blocks_of(model)), True)
+
+    def run(*args, **kwargs):
+        with recompute(model, enabled):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def apply_activation_checkpointing(model: Qwen2_5_VLModel) -> None:
-    for block in list(model.layers) + list(model.visual.blocks):
+    for block in blocks_of(model):
         checkpoint_block(block)
 
 

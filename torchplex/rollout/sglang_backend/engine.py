@@ -151,6 +151,15 @@ def deadline(seconds: float, what: str):
 
 
 class SGLangRolloutEngine:
+    # What the step's memory estimate reads of an engine (rollout.protocol): SGLang's KV cache lives inside its own
+    # memory fraction (rollout.sglang_mem_fraction), not in the step's budget, and it batches its own requests
+    kv_pool_bytes = 0
+    max_batch = 1 << 20
+    prefill_tokens = 16384
+
+    def pool_group_bytes(self, n: int, max_prompt: int, max_new: int) -> int:
+        return 0
+
     capabilities = RolloutCapabilities(
         prefill_hook=False, samples_finished_hook=False, step_hook=False, shares_actor_weights=False,
         why_not="rollout.backend = sglang: the model runs in SGLang's scheduler process, which takes no prefill "

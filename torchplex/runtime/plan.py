@@ -1,8 +1,10 @@
-"""The step-level phase planner: an RL step's schedule as plain data.
+"""The step's plan: what each phase of one GRPO step does and where, decided before anything runs, as plain data.
 
-A schedule lists the step's phases in execution order, each with the phases it depends on, where it runs
-(`placement`), and the memory it holds while it runs. The executor (`executor.py`) only follows it, so the same
-phase code runs in every mode and a schedule can be printed, tested and drawn before anything runs.
+A plan lists the step's phases in execution order, each with the phases it depends on, where it runs
+(`placement`), and the memory it holds while it runs; how each prompt's actor prefix is held; the memory budget it
+was planned from; and why (`reasons`). The step (runtime/step.py) runs its phases in one fixed order and reads every
+decision from the plan, so a plan can be printed, tested and drawn before anything runs; what the step measured is
+its report, never written back into the plan.
 
 Phase names and placements come from `phases.py` (the one vocabulary). Placements:
   main          on the main stream, after its dependencies
@@ -12,8 +14,8 @@ Phase names and placements come from `phases.py` (the one vocabulary). Placement
                 (runtime/window.py: ordered by events, submitted as its inputs exist), in program order on CPU
 Modes: "serial" (full prompt+response forwards), "decomposed" (prefix once per prompt, after rollout) and
 "overlapped" (decomposed + fusion + window placement where the planner predicts it pays, and where the rollout
-engine supports it: `rollout.protocol.RolloutCapabilities`; otherwise the schedule's reasons say why not).
-Each phase runs inside one main-stream stage (`Phase.stage`); `Schedule.stages()` is what the executor loops over.
+engine supports it: `rollout.protocol.RolloutCapabilities`; otherwise the plan's reasons say why not).
+Each phase runs inside one main-stream stage (`Phase.stage`): the stages are what the step times.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 from ..rollout.protocol import RolloutCapabilities
-from .memory_budget import (COMPACT, GRAPH, NONE, PrefixChoice, choose_prefix_forms, choose_train_rounds,
-                            held_at_once_bytes)
+from .memory_budget import (COMPACT, GRAPH, NONE, MemoryBudget, PrefixChoice, choose_prefix_forms,
+                            choose_train_rounds, held_at_once_bytes)
 from .phases import FUSED, MAIN, WINDOW, PhaseName, Stage, fused_into, stage_of, window_of
 
 
@@ -72,9 +74,6 @@ class PlanOptions:
     # its prompt's held prefix (what the window did not score, the reference phase does); equal up to rounding.
     ref_suffix_in_window: bool = False
     window_sample_batch: int = 0  # the window scores a prompt's finished samples this many at a time; 0: half a group
-    # decomposed/overlapped: the reference prefix as compiled graphs per prompt-length bucket, captured on CUDA
-    # (runtime/prefix_graphs.py): an eager prefix is host-bound (3B, 987 tokens: ~0.17 s of host time on the H200).
-    ref_prefix_graphs: bool = False
     # decomposed: the actor prefixes of the step's prompts in batched forwards at the start of training (one per
     # group of similar lengths: overlap.length_groups), held (compact or whole graph, as the train stage's room
     # allows) for the first epoch's micro-batches, their backward one batched pass after the last
@@ -122,17 +121,31 @@ class Phase:
 
 
 @dataclass
-class Schedule:
+class StepPlan:
     mode: str
     phases: list[Phase] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)  # why the planner placed things where it did
     prefix_forms: list[PrefixChoice] = field(default_factory=list)  # how each prompt's actor prefix is held
     # decomposed with batched_actor_prefix: how each prompt's actor prefix is held within the train stage
     train_prefix_forms: list[PrefixChoice] = field(default_factory=list)
-    memory: dict = field(default_factory=dict)  # the budget it was planned from (MemoryBudget.to_dict), if any
+    budget: MemoryBudget | None = None  # the memory budget it was planned from
     # the ref stage first runs, batched, the reference prefixes it needs (every one; with the window, those of the
     # prompts the window left): batched_ref_prefix
     ref_prefix_batched: bool = False
+
+    def in_window(self, name: str) -> bool:
+        """Whether phase `name` runs in the rollout's decode window."""
+        return self.has(name) and self.phase(name).in_window
+
+    @property
+    def fuses_actor_prefix(self) -> bool:
+        """The rollout prefill holds actor prefixes for training (the fused forms in `prefix_forms`)."""
+        return self.placed(PhaseName.ACTOR_PREFIX, fused_into(PhaseName.ROLLOUT))
+
+    def held_bytes(self) -> int:
+        """The most bytes the plan's held actor prefixes take at once: the fused ones (held through training) and
+        training's largest round."""
+        return sum(c.bytes for c in self.prefix_forms) + held_at_once_bytes(self.train_prefix_forms)
 
     def fused_prompts(self) -> list[int]:
         """Prompts whose actor prefix the rollout prefill keeps for training (whole graph or compact)."""
@@ -142,7 +155,7 @@ class Schedule:
         for p in self.phases:
             if p.name == name:
                 return p
-        raise KeyError(f"no phase {name!r} in the {self.mode} schedule; phases: {[p.name for p in self.phases]}")
+        raise KeyError(f"no phase {name!r} in the {self.mode} plan; phases: {[p.name for p in self.phases]}")
 
     def has(self, name: str) -> bool:
         return any(p.name == name for p in self.phases)
@@ -152,7 +165,7 @@ class Schedule:
         return self.has(name) and self.phase(name).placement == placement
 
     def stages(self) -> list[Stage]:
-        """The main-stream stages the phases run in, in execution order (the executor's loop)."""
+        """The main-stream stages the phases run in, in execution order (what the step times)."""
         order = list(Stage)
         return sorted({st for p in self.phases for st in p.stages}, key=order.index)
 
@@ -168,7 +181,7 @@ class Schedule:
             seen.add(p.name)
 
     def __str__(self) -> str:
-        lines = [f"{self.mode} step schedule",
+        lines = [f"{self.mode} step plan",
                  f"{'phase':<16}{'placement':<24}{'after':<34}{'tokens':>9}{'holds MiB':>11}"]
         for p in self.phases:
             lines.append(f"{p.name:<16}{p.placement:<24}{','.join(p.depends_on) or '-':<34}{p.tokens:>9}"
@@ -186,7 +199,8 @@ class Schedule:
         phases = [{**asdict(p), "stage": p.stage} for p in self.phases]
         return json.dumps({"mode": self.mode, "phases": phases, "reasons": self.reasons,
                            "prefix_forms": [asdict(c) for c in self.prefix_forms],
-                           "train_prefix_forms": [asdict(c) for c in self.train_prefix_forms], "memory": self.memory,
+                           "train_prefix_forms": [asdict(c) for c in self.train_prefix_forms],
+                           "memory": self.budget.to_dict() if self.budget else {},
                            "ref_prefix_batched": self.ref_prefix_batched},
                           indent=2)
 
@@ -207,33 +221,78 @@ def holds_every_ref_prefix(shape: StepShape, options: PlanOptions) -> bool:
 
 
 def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabilities = RolloutCapabilities()
-              ) -> Schedule:
-    """The step's schedule; `rollout` is what the engine supports (fusion and window work only where it can)."""
-    g, P = shape.group_size, shape.prefix_tokens
-    R = len(shape.prompt_lengths) * g * shape.max_new_tokens  # upper bound on response tokens
-    kv_pool = shape.kv_bytes_per_token * (P + R)
+              ) -> StepPlan:
+    """The step's plan; `rollout` is what the engine supports (fusion and window work only where it can)."""
     if options.mode == "serial":
-        serial_tokens = g * P + R
-        s = Schedule("serial", [
-            Phase(PhaseName.ROLLOUT, holds_bytes=kv_pool, tokens=P + R),
-            Phase(PhaseName.REF, depends_on=("rollout",), tokens=serial_tokens) if shape.has_reference else None,
-            Phase(PhaseName.TRAIN, depends_on=("rollout",) + (("ref",) if shape.has_reference else ()),
-                  tokens=serial_tokens),
-        ])
-        s.phases = [p for p in s.phases if p is not None]
-        s.reasons.append("serial: every sample is a full prompt+response forward in ref and train")
-        s.validate()
-        return s
+        return _serial_plan(shape)
     if options.mode not in ("decomposed", "overlapped"):
         raise ValueError(f"runtime.mode must be serial, decomposed or overlapped, got {options.mode!r}")
-    s = Schedule(options.mode)
+    s = StepPlan(options.mode)
+    held = _fusion(s, shape, options, rollout)
+    fused = s.fused_prompts()
+    window, suffix_window = _window(s, shape, options, rollout)
+    if not shape.vision_trainable:
+        s.phases.append(Phase(PhaseName.VISION, note="frozen tower: one encoding per prompt serves every phase"))
+    first = ("vision",) if not shape.vision_trainable else ()
+    s.phases.append(Phase(PhaseName.ROLLOUT, depends_on=first, holds_bytes=_kv_pool(shape) + (held if fused else 0),
+                          tokens=shape.prefix_tokens + _response_bound(shape),
+                          note="prefill with autograd kept" if fused else ""))
+    if fused:
+        s.phases.append(Phase(PhaseName.ACTOR_PREFIX, placement=fused_into(PhaseName.ROLLOUT), depends_on=("rollout",),
+                              holds_bytes=held, tokens=0,
+                              note=f"epoch 0 reuses the rollout prefill's graph ({len(fused)} prompts)"))
+        s.reasons.append("actor prefix fused into the rollout prefill: same forward on the same weights θk, so "
+                         "training runs no separate prefix forward in epoch 0")
+    if shape.has_reference:
+        _reference_phases(s, shape, options, first, window, suffix_window)
+    batched = _batched_actor_prefix(s, shape, options)
+    rounds_after = _rounds_after_fusion(s, shape, options)
+    train_deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ()) + (
+        ("actor_prefix",) if fused or batched else ())
+    held_tokens = sum(shape.prompt_lengths[i] for i in fused)
+    if batched or rounds_after:  # epoch 0's are the actor_prefix phase's, or (overlapped) the train stage's rounds
+        held_tokens += sum(c.tokens for c in s.train_prefix_forms if c.form != NONE)
+    prefix_tokens = shape.ppo_epochs * shape.prefix_tokens - held_tokens
+    s.phases.append(Phase(PhaseName.TRAIN, depends_on=train_deps,
+                          tokens=prefix_tokens + shape.ppo_epochs * _response_bound(shape),
+                          note=f"{shape.ppo_epochs} epoch(s); the prefix is recomputed after each optimizer step"))
+    s.validate()
+    return s
+
+
+def _response_bound(shape: StepShape) -> int:
+    """An upper bound on the step's response tokens."""
+    return len(shape.prompt_lengths) * shape.group_size * shape.max_new_tokens
+
+
+def _kv_pool(shape: StepShape) -> int:
+    return shape.kv_bytes_per_token * (shape.prefix_tokens + _response_bound(shape))
+
+
+def _serial_plan(shape: StepShape) -> StepPlan:
+    serial_tokens = shape.group_size * shape.prefix_tokens + _response_bound(shape)
+    s = StepPlan("serial", [
+        Phase(PhaseName.ROLLOUT, holds_bytes=_kv_pool(shape), tokens=shape.prefix_tokens + _response_bound(shape)),
+        Phase(PhaseName.REF, depends_on=("rollout",), tokens=serial_tokens) if shape.has_reference else None,
+        Phase(PhaseName.TRAIN, depends_on=("rollout",) + (("ref",) if shape.has_reference else ()),
+              tokens=serial_tokens),
+    ])
+    s.phases = [p for p in s.phases if p is not None]
+    s.reasons.append("serial: every sample is a full prompt+response forward in "
+                     + ("ref and train" if shape.has_reference else "train"))
+    s.validate()
+    return s
+
+
+def _fusion(s: StepPlan, shape: StepShape, options: PlanOptions, rollout: RolloutCapabilities) -> int:
+    """Each prompt's holding form from the rollout prefill to training (`s.prefix_forms`); returns what the
+    fused prompts hold."""
     overlapped = options.mode == "overlapped"
     fuse = overlapped and options.fuse_actor_prefix
     why_not = "decomposed mode" if not overlapped else "fuse_actor_prefix off"
     if fuse and not (rollout.prefill_hook and rollout.shares_actor_weights):
         fuse = False
-        missing = _missing(rollout, "prefill_hook", "shares_actor_weights")
-        why_not = f"the rollout engine {missing} ({rollout.why_not})"
+        why_not = f"the rollout engine {_missing(rollout, 'prefill_hook', 'shares_actor_weights')} ({rollout.why_not})"
         s.reasons.append(f"actor prefix not fused: {why_not}")
     s.prefix_forms = choose_prefix_forms(shape.prompt_lengths, shape.activation_bytes_per_token,
                                          shape.prefix_room_bytes, fusable=fuse, why_not=why_not,
@@ -249,7 +308,12 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
                          f"held prefixes is {shape.prefix_room_bytes / 2**30:.2f} GiB at "
                          f"{shape.activation_bytes_per_token / 2**20:.2f} MiB per token of graph; the others are "
                          f"computed in training")
-    fuse = bool(fused)
+    return held
+
+
+def _window(s: StepPlan, shape: StepShape, options: PlanOptions, rollout: RolloutCapabilities) -> tuple[bool, bool]:
+    """(reference prefixes in the decode window, reference suffixes too), where the options and the engine allow."""
+    overlapped = options.mode == "overlapped"
     suffix_window = overlapped and options.ref_suffix_in_window and shape.has_reference
     # the window scores samples on their prompt's reference prefix, so it computes that prefix too
     window = suffix_window or (overlapped and options.ref_prefix_in_window and shape.has_reference)
@@ -262,101 +326,89 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
         window = options.ref_prefix_in_window
         s.reasons.append(f"reference suffixes not scored in the decode window: the rollout engine "
                          f"{_missing(rollout, 'samples_finished_hook')} ({rollout.why_not})")
-    if not shape.vision_trainable:
-        s.phases.append(Phase(PhaseName.VISION, note="frozen tower: one encoding per prompt serves every phase"))
-    first = ("vision",) if not shape.vision_trainable else ()
-    s.phases.append(Phase(PhaseName.ROLLOUT, depends_on=first, holds_bytes=kv_pool + (held if fuse else 0),
-                          tokens=P + R, note="prefill with autograd kept" if fuse else ""))
-    if fuse:
-        s.phases.append(Phase(PhaseName.ACTOR_PREFIX, placement=fused_into(PhaseName.ROLLOUT), depends_on=("rollout",),
-                              holds_bytes=held, tokens=0,
-                              note=f"epoch 0 reuses the rollout prefill's graph ({len(fused)} prompts)"))
-        s.reasons.append("actor prefix fused into the rollout prefill: same forward on the same weights θk, so "
-                         "training runs no separate prefix forward in epoch 0")
-    if shape.has_reference:
-        ref_kv = shape.kv_bytes_per_token * P
-        if window:
-            s.phases.append(Phase(PhaseName.REF_PREFIX, placement=window_of(PhaseName.ROLLOUT), depends_on=first,
-                                  holds_bytes=ref_kv, tokens=P))
-            s.reasons.append("reference prefix K/V computed in the rollout decode window (second host thread, side "
-                             "stream): its host-bound launches run beside the decode loop's")
-            # what the window left (jobs not begun when decode ended) the ref stage holds batched, where allowed
-            s.ref_prefix_batched = batches_ref_prefix(shape, options)
-        else:
-            batch_ref = batches_ref_prefix(shape, options)
-            s.phases.append(Phase(PhaseName.REF_PREFIX, depends_on=("rollout",), holds_bytes=ref_kv, tokens=P,
-                                  note="batched: one forward per group of similar lengths" if batch_ref else ""))
-            s.ref_prefix_batched = batch_ref
-            if batch_ref:
-                s.reasons.append("reference prefixes batched at the start of the ref stage (one no-grad forward per "
-                                 "group of similar lengths), their K/V held for the suffix micro-batches")
-            elif options.batched_ref_prefix:
-                s.reasons.append(f"reference prefixes not batched: {shape.ref_prefix_batchable}; one prefix forward "
-                                 "per reference micro-batch")
-            if overlapped:
-                s.reasons.append("reference prefix after rollout: the decode window hides only host-bound work "
-                                 "(measured on the H200); set ref_prefix_in_window to place it there")
-        if options.ref_prefix_graphs:
-            s.reasons.append("reference prefix as compiled graphs per prompt-length bucket (replayed CUDA graphs on a "
-                             "GPU): microseconds of host time per prompt instead of one launch per kernel")
-        if suffix_window:
-            batch = options.sample_batch(g)
-            s.phases.append(Phase(PhaseName.REF_SUFFIX, placement=window_of(PhaseName.ROLLOUT),
-                                  depends_on=("rollout", "ref_prefix"), tokens=R,
-                                  note=f"per {batch} finished samples of a prompt, and its last ones"))
-            s.reasons.append("reference suffixes of finished samples scored in the decode window: the slowest "
-                             "samples decode on while the others are scored")
-        else:
-            s.phases.append(Phase(PhaseName.REF_SUFFIX, depends_on=("rollout", "ref_prefix"), tokens=R))
-    batched = not overlapped and options.batched_actor_prefix
-    if batched:
-        choose = choose_train_rounds if shape.train_rounds else choose_prefix_forms
-        s.train_prefix_forms = [
-            replace(c, reason=f"held within training: {c.reason}")
-            for c in choose(shape.prompt_lengths, shape.activation_bytes_per_token, shape.train_room_bytes,
-                            compact_bytes_per_token=shape.compact_bytes_per_token)]
-        held_train = held_at_once_bytes(s.train_prefix_forms)
-        count = sum(c.form != NONE for c in s.train_prefix_forms)
-        rounds = 1 + max((c.round for c in s.train_prefix_forms), default=0)
-        batched = count > 0
-        if batched:
-            deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ())
-            where = ("before training's micro-batches" if rounds == 1 else
-                     f"in {rounds} rounds, each before its micro-batches and backpropagated after them")
-            s.phases.append(Phase(PhaseName.ACTOR_PREFIX, depends_on=deps, holds_bytes=held_train,
-                                  tokens=sum(c.tokens for c in s.train_prefix_forms if c.form != NONE),
-                                  note=f"{count} prompts in batched forwards {where}"))
-            in_rounds = f", {rounds} rounds of what the room holds" if rounds > 1 else ""
-            s.reasons.append(f"actor prefix batched in training for {count} of {len(shape.prompt_lengths)} prompts "
-                             f"(room {shape.train_room_bytes / 2**30:.2f} GiB{in_rounds}): one batched forward per "
-                             "group of similar lengths and one backward instead of one per micro-batch")
-        else:
-            s.reasons.append("actor prefix not batched in training: no room for a held prefix in the train stage")
+    return window, suffix_window
+
+
+def _reference_phases(s: StepPlan, shape: StepShape, options: PlanOptions, first: tuple, window: bool,
+                      suffix_window: bool) -> None:
+    ref_kv, R = shape.kv_bytes_per_token * shape.prefix_tokens, _response_bound(shape)
+    batch_ref = batches_ref_prefix(shape, options)
+    s.ref_prefix_batched = batch_ref  # with the window: what it left (jobs not begun when decode ended)
+    if window:
+        s.phases.append(Phase(PhaseName.REF_PREFIX, placement=window_of(PhaseName.ROLLOUT), depends_on=first,
+                              holds_bytes=ref_kv, tokens=shape.prefix_tokens))
+        s.reasons.append("reference prefix K/V computed in the rollout decode window (second host thread, side "
+                         "stream): its host-bound launches run beside the decode loop's")
+    else:
+        s.phases.append(Phase(PhaseName.REF_PREFIX, depends_on=("rollout",), holds_bytes=ref_kv,
+                              tokens=shape.prefix_tokens,
+                              note="batched: one forward per group of similar lengths" if batch_ref else ""))
+        if batch_ref:
+            s.reasons.append("reference prefixes batched at the start of the ref stage (one no-grad forward per "
+                             "group of similar lengths), their K/V held for the suffix micro-batches")
+        elif options.batched_ref_prefix:
+            s.reasons.append(f"reference prefixes not batched: {shape.ref_prefix_batchable}; one prefix forward "
+                             "per reference micro-batch")
+        if options.mode == "overlapped":
+            s.reasons.append("reference prefix after rollout: the decode window hides only host-bound work; set "
+                             "runtime.reference_in_window to place it there")
+    if suffix_window:
+        s.phases.append(Phase(PhaseName.REF_SUFFIX, placement=window_of(PhaseName.ROLLOUT),
+                              depends_on=("rollout", "ref_prefix"), tokens=R,
+                              note=f"per {options.sample_batch(shape.group_size)} finished samples of a prompt, "
+                                   "and its last ones"))
+        s.reasons.append("reference suffixes of finished samples scored in the decode window: the slowest "
+                         "samples decode on while the others are scored")
+    else:
+        s.phases.append(Phase(PhaseName.REF_SUFFIX, depends_on=("rollout", "ref_prefix"), tokens=R))
+
+
+def _batched_actor_prefix(s: StepPlan, shape: StepShape, options: PlanOptions) -> bool:
+    """Decomposed: the actor prefixes held within training (`s.train_prefix_forms`), in rounds of the train room
+    where the runner allows; whether any is held."""
+    if options.mode == "overlapped" or not options.batched_actor_prefix:
+        return False
+    choose = choose_train_rounds if shape.train_rounds else choose_prefix_forms
+    s.train_prefix_forms = [
+        replace(c, reason=f"held within training: {c.reason}")
+        for c in choose(shape.prompt_lengths, shape.activation_bytes_per_token, shape.train_room_bytes,
+                        compact_bytes_per_token=shape.compact_bytes_per_token)]
+    count = sum(c.form != NONE for c in s.train_prefix_forms)
+    if not count:
+        s.reasons.append("actor prefix not batched in training: no room for a held prefix in the train stage")
+        return False
+    rounds = 1 + max((c.round for c in s.train_prefix_forms), default=0)
+    deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ())
+    where = ("before training's micro-batches" if rounds == 1 else
+             f"in {rounds} rounds, each before its micro-batches and backpropagated after them")
+    s.phases.append(Phase(PhaseName.ACTOR_PREFIX, depends_on=deps, holds_bytes=held_at_once_bytes(s.train_prefix_forms),
+                          tokens=sum(c.tokens for c in s.train_prefix_forms if c.form != NONE),
+                          note=f"{count} prompts in batched forwards {where}"))
+    in_rounds = f", {rounds} rounds of what the room holds" if rounds > 1 else ""
+    s.reasons.append(f"actor prefix batched in training for {count} of {len(shape.prompt_lengths)} prompts "
+                     f"(room {shape.train_room_bytes / 2**30:.2f} GiB{in_rounds}): one batched forward per "
+                     "group of similar lengths and one backward instead of one per micro-batch")
+    return True
+
+
+def _rounds_after_fusion(s: StepPlan, shape: StepShape, options: PlanOptions) -> bool:
+    """Overlapped: the prompts the fused prefill left out, held in training in rounds after the fused ones."""
     left = [i for i, c in enumerate(s.prefix_forms) if c.form == NONE]
-    rounds_after = overlapped and options.batched_actor_prefix and shape.train_rounds and bool(left)
-    if rounds_after:  # the prompts the fused prefill left out: held in training, in rounds after the fused ones
-        chosen = choose_train_rounds(tuple(shape.prompt_lengths[i] for i in left), shape.activation_bytes_per_token,
-                                     shape.train_room_bytes, compact_bytes_per_token=shape.compact_bytes_per_token,
-                                     first_round=1)
-        s.train_prefix_forms = [replace(c, prompt=left[c.prompt], reason=f"held within training: {c.reason}")
-                                for c in chosen]
-        count = sum(c.form != NONE for c in s.train_prefix_forms)
-        if count:
-            rounds = len({c.round for c in s.train_prefix_forms if c.form != NONE})
-            s.reasons.append(f"actor prefix of {count} of the {len(left)} prompts not fused held in training in "
-                             f"{rounds} round(s) after the fused prompts' backward (room "
-                             f"{shape.train_room_bytes / 2**30:.2f} GiB): batched forwards instead of one per "
-                             "micro-batch")
-    train_deps = ("rollout",) + (("ref_suffix",) if shape.has_reference else ()) + (
-        ("actor_prefix",) if fuse or batched else ())
-    fused_tokens = sum(shape.prompt_lengths[i] for i in fused)
-    if batched or rounds_after:  # epoch 0's are the actor_prefix phase's, or (overlapped) the train stage's rounds
-        fused_tokens += sum(c.tokens for c in s.train_prefix_forms if c.form != NONE)
-    prefix_tokens = shape.ppo_epochs * P - fused_tokens
-    s.phases.append(Phase(PhaseName.TRAIN, depends_on=train_deps, tokens=prefix_tokens + shape.ppo_epochs * R,
-                          note=f"{shape.ppo_epochs} epoch(s); the prefix is recomputed after each optimizer step"))
-    s.validate()
-    return s
+    if not (options.mode == "overlapped" and options.batched_actor_prefix and shape.train_rounds and left):
+        return False
+    chosen = choose_train_rounds(tuple(shape.prompt_lengths[i] for i in left), shape.activation_bytes_per_token,
+                                 shape.train_room_bytes, compact_bytes_per_token=shape.compact_bytes_per_token,
+                                 first_round=1)
+    s.train_prefix_forms = [replace(c, prompt=left[c.prompt], reason=f"held within training: {c.reason}")
+                            for c in chosen]
+    count = sum(c.form != NONE for c in s.train_prefix_forms)
+    if count:
+        rounds = len({c.round for c in s.train_prefix_forms if c.form != NONE})
+        s.reasons.append(f"actor prefix of {count} of the {len(left)} prompts not fused held in training in "
+                         f"{rounds} round(s) after the fused prompts' backward (room "
+                         f"{shape.train_room_bytes / 2**30:.2f} GiB): batched forwards instead of one per "
+                         "micro-batch")
+    return True
 
 
 def _missing(rollout: RolloutCapabilities, *names: str) -> str:
