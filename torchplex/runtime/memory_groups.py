@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 KINDS = ("offload", "release", "transient", "host")
 
-# ---- groups ---------------------------------------------------------------------------------------------------
+# ---- groups -------------------------------------------------------------------------------------------------------
 def plain_tensors(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
     """The dense tensors that own memory: DTensor shards and torchao's 8-bit optimizer states are unpacked."""
     for t in tensors:
@@ -39,9 +39,15 @@ def tensor_bytes(tensors: Iterable[Tensor]) -> int:
 class TensorGroup:
     """Tensors with one lifetime: `needed_in` names the phases that produce or consume them.
 
+    Kinds (what the manager does when no phase at hand needs the group):
+        offload    copied to a host buffer and the device storage freed in place; copied back before a phase
+                   that needs it (model weights, optimizer state)
+        release    `release()` frees it and `reserve()` allocates it again: its data need not survive (KV pool)
+        transient  allocated and freed by the phase's own code (gradients, activations): counted, never moved
+        host       in host memory throughout (a CPU-offloaded optimizer's state): listed, never on the device
+
     `tensors` is called each time the group moves, so lazily created tensors (optimizer state appears at the first
     step) are picked up. `nbytes` overrides the planned size (plan-only groups, e.g. on the meta device, need it).
-    `chunks` makes the group streamed: it returns the tensors of each chunk (`chunk_nbytes` plans their sizes).
     """
 
     name: str
@@ -51,9 +57,6 @@ class TensorGroup:
     nbytes: int | None = None
     release: Callable[[], None] | None = None
     reserve: Callable[[], None] | None = None
-    frozen: bool = False  # never written on the device: after the first copy out, offloading only frees
-    chunks: Callable[[], list[list[Tensor]]] | None = None
-    chunk_nbytes: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.needed_in = frozenset(self.needed_in)
@@ -61,39 +64,20 @@ class TensorGroup:
             raise ValueError(f"group {self.name!r}: kind {self.kind!r} is not one of {KINDS}")
         if not self.needed_in:
             raise ValueError(f"group {self.name!r}: needed_in is empty; a group no phase needs should not be held")
-        if self.streamed:
-            if self.kind != "offload" or len(self.needed_in) != 1:
-                raise ValueError(f"group {self.name!r}: a streamed group is of kind offload and needed in exactly "
-                                 f"one phase (got {self.kind!r}, {sorted(self.needed_in)})")
-            if self.tensors is None and self.chunks is not None:
-                self.tensors = lambda: [t for chunk in self.chunks() for t in chunk]
-
-    @property
-    def streamed(self) -> bool:
-        return self.chunks is not None or self.chunk_nbytes is not None
-
-    def planned_chunk_bytes(self) -> list[int] | None:
-        if not self.streamed:
-            return None
-        if self.chunk_nbytes is not None:
-            return [int(b) for b in self.chunk_nbytes]
-        return [tensor_bytes(c) for c in self.chunks()]
 
     def planned_bytes(self) -> int:
         if self.nbytes is not None:
             return int(self.nbytes)
-        if self.streamed:
-            return sum(self.planned_chunk_bytes())
         return tensor_bytes(self.tensors()) if self.tensors is not None else 0
 
 
 def module_group(name: str, module: torch.nn.Module, needed_in: Iterable[str], *,
-                 exclude: Iterable[Tensor] = (), frozen: bool = False) -> TensorGroup:
+                 exclude: Iterable[Tensor] = ()) -> TensorGroup:
     """A module's parameters; `exclude` drops parameters another group owns (a vision tower shared by actor and
-    reference belongs to the actor only). `frozen`: the module is never trained (the reference)."""
+    reference belongs to the actor only)."""
     skip = {id(p) for p in exclude}
     return TensorGroup(name, frozenset(needed_in), "offload",
-                       tensors=lambda: [p for p in module.parameters() if id(p) not in skip], frozen=frozen)
+                       tensors=lambda: [p for p in module.parameters() if id(p) not in skip])
 
 
 def optimizer_state_group(name: str, optimizer: torch.optim.Optimizer, needed_in: Iterable[str],
@@ -125,11 +109,3 @@ def kv_pool_group(pool, needed_in: Iterable[str] = ("rollout",), name: str = "kv
         nbytes = pool.num_groups * pool.bytes_per_group
     reserve = pool.reserve if hasattr(pool, "reserve") else pool.resume
     return TensorGroup(name, frozenset(needed_in), "release", nbytes=nbytes, release=pool.release, reserve=reserve)
-
-
-def window_bytes(chunk_bytes: list[int], window: int) -> int:
-    """The most bytes `window` consecutive chunks hold: what a stream keeps on the device at least."""
-    if not chunk_bytes:
-        return 0
-    w = max(1, min(window, len(chunk_bytes)))
-    return max(sum(chunk_bytes[i:i + w]) for i in range(len(chunk_bytes) - w + 1))
