@@ -39,9 +39,8 @@ import torch
 from ..components import peak_memory
 from .memory_copy import (CopyEngine, CudaStreamCopyEngine, HostArena, NoCopyEngine, StorageMove,
                           ThreadCopyEngine, Ticket, default_copy_engine)
-from .memory_groups import (KINDS, TensorGroup, grads_group, kv_pool_group, module_group, optimizer_state_group,
-                            plain_tensors, tensor_bytes)
-from .memory_plan import GiB, MemoryPlan, PhasePlan, PlannedGroup
+from .memory_plan import (GiB, KINDS, MemoryPlan, PhasePlan, PlannedGroup, TensorGroup, grads_group, kv_pool_group,
+                          module_group, optimizer_state_group, plain_tensors, tensor_bytes)
 
 __all__ = ["ARENA_SLACK_BYTES", "CopyEngine", "CudaStreamCopyEngine", "GiB", "KINDS", "MemoryManager", "MemoryPlan",
            "NoCopyEngine", "PhasePlan", "PhaseRecord", "PlannedGroup", "TensorGroup", "ThreadCopyEngine",

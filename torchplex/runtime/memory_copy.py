@@ -5,12 +5,12 @@ An engine moves `StorageMove`s: it copies a device storage to its host buffer an
 and copies the host buffer back. It returns a `Ticket` the consumer waits on, so a copy started for the next phase
 runs while the current phase computes and only the phase that needs the data waits for it.
 
-| engine                   | what it does                                                                          |
-|--------------------------|---------------------------------------------------------------------------------------|
-| `CudaStreamCopyEngine`   | default on CUDA: copies out on one side stream, in on another (the link is full duplex) |
-| `NoCopyEngine`           | default on CPU, where device = host: moves nothing                                      |
-| `ThreadCopyEngine`       | the contract on CPU: real copies and frees on one FIFO worker thread, injectable        |
-|                          | `copy_fn`; the CPU tests check bitwise round trips and waiting through it               |
+| engine                 | what it does                                                                            |
+|------------------------|-----------------------------------------------------------------------------------------|
+| `CudaStreamCopyEngine` | default on CUDA: copies out on one side stream, in on another (the link is full duplex) |
+| `NoCopyEngine`         | default on CPU, where device = host: moves nothing                                      |
+| `ThreadCopyEngine`     | the contract on CPU: real copies and frees on one FIFO worker thread; CPU tests check   |
+|                        | bitwise round trips and waiting through it (`copy_fn` injectable)                       |
 """
 
 from __future__ import annotations
