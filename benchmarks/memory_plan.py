@@ -2,7 +2,7 @@
 
     python benchmarks/memory_plan.py --flavor 7B                       # one H200, fp32 master + AdamW
     python benchmarks/memory_plan.py --flavor 32B --dp-shard 8 --json outputs/memory_plan_32b.json
-    python benchmarks/memory_plan.py --flavor 7B --activation-checkpointing --stream-chunk-gib 2 --hbm-gib 116
+    python benchmarks/memory_plan.py --flavor 7B --activation-checkpointing --hbm-gib 116
 
 Computed, not measured: the geometry comes from `get_flavor` on the meta device (nothing is allocated), and the
 byte counts of each tensor group follow from the precision recipe and the rollout/training settings. Runs on CPU in
@@ -193,28 +193,7 @@ def step_groups(args: ModelArgs, counts, s: argparse.Namespace, optimizer: str) 
     groups.append(g("optimizer_state", {"optimizer"}, state / shard, state_kind))
     if optimizer == "adamw_cpu_offload":  # torchao copies gradients into pinned host tensors during backward
         groups.append(g("host_grads", {"optimizer"}, trainable * grad_elem / shard, "host"))
-    if s.stream_chunk_gib and state_kind == "offload":
-        groups = streamed_setup(groups, s.stream_chunk_gib)
     return groups
-
-
-def streamed_setup(groups: list[TensorGroup], chunk_gib: float) -> list[TensorGroup]:
-    """The setup of benchmarks/memory_bench.py: the optimizer state streamed through the optimizer phase in
-    chunks of about `chunk_gib`, master weights kept on the device (needed everywhere), the reference frozen (copied
-    out once, then only freed)."""
-    every = frozenset(PHASES)
-    out = []
-    for grp in groups:
-        if grp.name == "optimizer_state":
-            n = max(1, -(-grp.nbytes // int(chunk_gib * GiB)))
-            sizes = [grp.nbytes // n + (1 if i < grp.nbytes % n else 0) for i in range(n)]
-            grp = TensorGroup(grp.name, grp.needed_in, "offload", chunk_nbytes=sizes)
-        elif grp.name == "master_weights":
-            grp = dataclasses.replace(grp, needed_in=every)
-        elif grp.name == "ref_weights":
-            grp = dataclasses.replace(grp, frozen=True)
-        out.append(grp)
-    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -237,9 +216,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--freeze-vision", action="store_true", help="frozen tower shared by actor and reference")
     p.add_argument("--pcie-gbs", type=float, default=50.0, help="host<->device copy bandwidth, GB/s")
-    p.add_argument("--stream-chunk-gib", type=float, default=0.0,
-                   help="stream the optimizer state in chunks of this size (0: move it whole); also keeps the "
-                        "master weights on the device and treats the reference as frozen (memory_bench's setup)")
     p.add_argument("--json", default="", help="also write every optimizer's plan here")
     return p.parse_args(argv)
 

@@ -9,7 +9,7 @@ recompute, gradient accumulation: all of it goes through the dispatcher) and sub
 (a weakref finaliser), so its peak is the train phase's peak of live tensor bytes without torch.cuda. Kernel-private
 workspaces (cuBLAS, attention kernels) are not seen; everything autograd holds is.
 
-The run is the train phase of `benchmarks/memory_bench.py` at a small geometry: an actor with activation
+The run is the train phase of a GRPO step at a small geometry: an actor with activation
 checkpointing, decomposed scoring (one prefix with autograd per group, G suffixes), `train_phase` over several
 micro-batches, gradients accumulated in bf16; the window ends where the optimizer phase would begin (step()).
 Its measured peak, less parameters and the gradients the phase ends with, is compared with

@@ -157,7 +157,7 @@ def test_bytes_copied_per_step_are_the_plans():
     # budget 80 (see above): rollout copies master + adam out (60) and ref in (10); train copies ref out (10) and
     # adam in (40); the optimizer loads master (20); freeing the KV pool copies nothing
     groups, _ = grpo_groups(with_tensors=True)
-    plan = MemoryPlan.build(groups, PHASES, budget_bytes=80, max_resident_chunks=None)  # no streamed group: no-op
+    plan = MemoryPlan.build(groups, PHASES, budget_bytes=80)
     assert {r.phase: (r.copy_in_bytes, r.copy_out_bytes) for r in plan.phases} == {
         "rollout": (10, 60), "ref": (0, 0), "train": (40, 10), "optimizer": (20, 0)}
     assert (plan.copy_in_bytes, plan.copy_out_bytes) == (70, 70)

@@ -18,7 +18,6 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .master_weights import split_chunks
 from ..rollout.engine import RolloutStats, SampleOutput
 from ..rollout.protocol import RolloutCapabilities, reject_unsupported_hooks
 
@@ -37,7 +36,16 @@ class TransferStats:
 
 def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
     """Consecutive runs of same-dtype tensors of at most `bucket_bytes` (a larger tensor gets a bucket alone)."""
-    return split_chunks([t.numel() * t.element_size() for t in tensors], bucket_bytes, keys=[t.dtype for t in tensors])
+    buckets: list[list[int]] = []
+    total = 0
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        if not buckets or total + nbytes > bucket_bytes or t.dtype != tensors[buckets[-1][0]].dtype:
+            buckets.append([])
+            total = 0
+        buckets[-1].append(i)
+        total += nbytes
+    return buckets
 
 
 class WeightTransfer:

@@ -2,14 +2,15 @@
 
 An engine moves `StorageMove`s: it copies a device storage to its host buffer and frees the storage in place
 (`untyped_storage().resize_(0)`: modules and optimizers keep their Python tensors), or allocates the storage again
-and copies the host buffer back. It returns a `Ticket` the consumer waits on.
+and copies the host buffer back. It returns a `Ticket` the consumer waits on, so a copy started for the next phase
+runs while the current phase computes and only the phase that needs the data waits for it.
 
-| engine                   | what it does                                                                          |
-|--------------------------|---------------------------------------------------------------------------------------|
-| `CudaStreamCopyEngine`   | default on CUDA: copies out on one side stream, in on another (PCIe is full duplex)    |
-| `NoCopyEngine`           | default on CPU, where device = host: moves nothing                                      |
-| `ThreadCopyEngine`       | CPU tests: real copies and frees on one FIFO worker thread, injectable `copy_fn`        |
-| `NoTransferCopyEngine`   | timing baseline: frees and re-allocates (zero-filled) like a real engine, copies nothing |
+| engine                 | what it does                                                                            |
+|------------------------|-----------------------------------------------------------------------------------------|
+| `CudaStreamCopyEngine` | default on CUDA: copies out on one side stream, in on another (the link is full duplex) |
+| `NoCopyEngine`         | default on CPU, where device = host: moves nothing                                      |
+| `ThreadCopyEngine`     | the contract on CPU: real copies and frees on one FIFO worker thread; CPU tests check   |
+|                        | bitwise round trips and waiting through it (`copy_fn` injectable)                       |
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class HostArena:
     """One host allocation carved into a slot per storage.
 
     The pinned host allocator rounds every request up to a power of two, so one pinned buffer per storage could
-    take up to twice a group's bytes (a 271 MB AdamW moment gets 512 MB); one arena per group is rounded once.
+    take up to twice a group's bytes (a 300 MB storage would take 512 MB); one arena per group is rounded once.
     `take` returns None when the arena is full (the caller then allocates that storage its own buffer).
     """
 
@@ -106,27 +107,6 @@ class NoCopyEngine:
         return DoneTicket()
 
 
-class NoTransferCopyEngine:
-    """Frees and re-allocates storages like a real engine but copies nothing: a prefetch zero-fills.
-
-    The data is lost, so this is for timing only: the same step with the same memory behaviour and no host
-    transfers. Zeros keep AdamW's moments finite (fresh moments), so the step still runs every phase."""
-
-    moves_data = True
-    pin_memory = False
-
-    def offload(self, moves):
-        for m in moves:  # ordered on the current stream after the producer: no copy to wait for
-            m.free()
-        return DoneTicket()
-
-    def prefetch(self, moves):
-        for m in moves:
-            m.allocate()
-            m.device_bytes().zero_()
-        return DoneTicket()
-
-
 class FutureTicket:
     def __init__(self, future: Future):
         self.future = future
@@ -142,8 +122,9 @@ def _copy(dst: Tensor, src: Tensor) -> None:
 
 
 class ThreadCopyEngine:
-    """Real copies and frees on one worker thread, in submission order like a copy stream. `copy_fn(dst, src)` is
-    injectable: tests slow it down or gate it to show that nothing is used before its prefetch completes."""
+    """Real copies and frees on one worker thread, in submission order like a copy stream: the CUDA engine's
+    contract where there is no GPU. `copy_fn(dst, src)` is injectable: tests slow it down or gate it to show that
+    nothing is used before its prefetch completes."""
 
     moves_data = True
     pin_memory = False
@@ -183,9 +164,9 @@ class CudaTicket:
 class CudaStreamCopyEngine:
     """Copies on side streams with pinned host buffers; consumers wait on an event, the host never blocks.
 
-    Copies out and copies in run on two streams, so a streamed optimizer phase moves chunk i+1 in while chunk i-1
-    goes out (the link is full duplex). A copy in of a storage waits for that storage's last copy out (the host
-    buffer must be written before it is read back)."""
+    Copies out and copies in run on two streams, so the groups a phase drops on entry go out while the next
+    phase's come in (the link is full duplex). A copy in of a storage waits for that storage's last copy out (the
+    host buffer must be written before it is read back)."""
 
     moves_data = True
     pin_memory = True

@@ -1,53 +1,165 @@
-"""The phase-aware memory plan (`MemoryPlan.build`): per phase, which tensor groups are resident, copied out,
-loaded late or prefetched for the next phase, how many chunks of a streamed group are prefetched or kept resident,
-and the expected peak, exposed and copied bytes. Plain data: printed as a table, saved as JSON, executed by
-`MemoryManager` (runtime/memory.py, where the model is described)."""
+"""What the phase-aware memory manager moves, and when: tensor groups and the plan built from them.
+
+A `TensorGroup` is a set of tensors with one lifetime, registered with the phases that need it; the helpers below
+build the groups a GRPO step has (a module's parameters, an optimizer's state, gradients, the rollout KV pool).
+`MemoryPlan.build` turns the groups and the step's phases into plain data: per phase, what is resident, what is
+copied out or freed on entry, what is loaded late, what is prefetched for the next phase, whether the copies out
+are drained first, and the expected peak, exposed and copied bytes. The plan prints as a table and saves as JSON,
+so it can be read and tested without a device; `MemoryManager` (runtime/memory.py) executes it.
+"""
 
 from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Iterator
 
-from .memory_groups import TensorGroup, window_bytes
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 GiB = 2**30
+KINDS = ("offload", "release", "transient", "host")
 
 
+# ---- groups -------------------------------------------------------------------------------------------------------
+def plain_tensors(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
+    """The dense tensors that own memory: DTensor shards and torchao's 8-bit optimizer states are unpacked."""
+    for t in tensors:
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            yield from plain_tensors(getattr(t, n) for n in names)
+        else:
+            yield t
+
+
+def tensor_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (meta tensors: their own numel x element size)."""
+    seen, total = set(), 0
+    for t in plain_tensors(tensors):
+        ptr = 0 if t.device.type == "meta" else t.untyped_storage().data_ptr()
+        if ptr and ptr in seen:
+            continue
+        seen.add(ptr)
+        total += t.untyped_storage().nbytes() if ptr else t.numel() * t.element_size()
+    return total
+
+
+@dataclass
+class TensorGroup:
+    """Tensors with one lifetime: `needed_in` names the phases that produce or consume them.
+
+    Kinds (what the manager does when no phase at hand needs the group):
+        offload    copied to a host buffer and the device storage freed in place; copied back before a phase
+                   that needs it (model weights, optimizer state)
+        release    `release()` frees it and `reserve()` allocates it again: its data need not survive (KV pool)
+        transient  allocated and freed by the phase's own code (gradients, activations): counted, never moved
+        host       in host memory throughout (a CPU-offloaded optimizer's state): listed, never on the device
+
+    `tensors` is called each time the group moves, so lazily created tensors (optimizer state appears at the first
+    step) are picked up. `nbytes` overrides the planned size (plan-only groups, e.g. on the meta device, need it).
+    """
+
+    name: str
+    needed_in: frozenset[str]
+    kind: str = "offload"
+    tensors: Callable[[], Iterable[Tensor]] | None = None
+    nbytes: int | None = None
+    release: Callable[[], None] | None = None
+    reserve: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.needed_in = frozenset(self.needed_in)
+        if self.kind not in KINDS:
+            raise ValueError(f"group {self.name!r}: kind {self.kind!r} is not one of {KINDS}")
+        if not self.needed_in:
+            raise ValueError(f"group {self.name!r}: needed_in is empty; a group no phase needs should not be held")
+
+    def planned_bytes(self) -> int:
+        if self.nbytes is not None:
+            return int(self.nbytes)
+        return tensor_bytes(self.tensors()) if self.tensors is not None else 0
+
+
+def module_group(name: str, module: torch.nn.Module, needed_in: Iterable[str], *,
+                 exclude: Iterable[Tensor] = ()) -> TensorGroup:
+    """A module's parameters; `exclude` drops parameters another group owns (a vision tower shared by actor and
+    reference belongs to the actor only)."""
+    skip = {id(p) for p in exclude}
+    return TensorGroup(name, frozenset(needed_in), "offload",
+                       tensors=lambda: [p for p in module.parameters() if id(p) not in skip])
+
+
+def optimizer_state_group(name: str, optimizer: torch.optim.Optimizer, needed_in: Iterable[str],
+                          nbytes: int | None = None) -> TensorGroup:
+    """An optimizer's state tensors (empty until the first step: pass `nbytes` to plan before it).
+
+    torchao's CPUOffloadOptimizer keeps its state on the host already: the group is of kind "host".
+    """
+    host_opts = getattr(optimizer, "optim_dict", None)
+    if host_opts is not None:
+        states = lambda: [v for opt in host_opts.values() for s in opt.state.values() for v in s.values()
+                          if isinstance(v, Tensor)]
+        return TensorGroup(name, frozenset(needed_in), "host", tensors=states, nbytes=nbytes)
+    states = lambda: [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+    return TensorGroup(name, frozenset(needed_in), "offload", tensors=states, nbytes=nbytes)
+
+
+def grads_group(name: str, module: torch.nn.Module, needed_in: Iterable[str]) -> TensorGroup:
+    """Gradients of the trainable parameters: created by backward, freed by `zero_grad(set_to_none=True)`."""
+    size = tensor_bytes(p for p in module.parameters() if p.requires_grad)
+    return TensorGroup(name, frozenset(needed_in), "transient", nbytes=size)
+
+
+def kv_pool_group(pool, needed_in: Iterable[str] = ("rollout",), name: str = "kv_pool",
+                  nbytes: int | None = None) -> TensorGroup:
+    """A `GroupKVPool` (release()/reserve()), or a rollout engine (rollout/protocol.py: release()/resume()) whose
+    pool is planned at `nbytes`: its contents die with each rollout, so it is freed rather than copied."""
+    if nbytes is None:
+        nbytes = pool.num_groups * pool.bytes_per_group
+    reserve = pool.reserve if hasattr(pool, "reserve") else pool.resume
+    return TensorGroup(name, frozenset(needed_in), "release", nbytes=nbytes, release=pool.release, reserve=reserve)
+
+
+# ---- the plan -----------------------------------------------------------------------------------------------------
 @dataclass
 class PlannedGroup:
     name: str
     kind: str
     nbytes: int
     needed_in: list[str]
-    chunk_nbytes: list[int] | None = None  # streamed group: planned bytes of each chunk
-    frozen: bool = False
-    resident_chunks: int = 0  # streamed group: its first chunks stay on the device through the whole cycle
-
-    @property
-    def resident_bytes(self) -> int:
-        return sum(self.chunk_nbytes[:self.resident_chunks]) if self.chunk_nbytes is not None else 0
 
 
 @dataclass
 class PhasePlan:
     phase: str
     needed: list[str]       # groups the phase uses
-    resident: list[str]     # on device during the phase: needed (not host, not streamed) + held or prefetched
+    resident: list[str]     # on device during the phase: needed (not host) + prefetched for the next phase
     offload: list[str]      # on entry: copied out (offload kind) or freed (release kind)
     load: list[str]         # on entry, blocking: not prefetched earlier (offload kind) or reserved (release kind)
     prefetch: list[str]     # started on entry for the next phase, waited on when it enters
     drain: bool             # wait for this entry's copies out before allocating anything (budget too tight)
-    peak_bytes: int         # resident + resident chunks + streamed window + copies still in flight unless drained
+    peak_bytes: int         # resident + copies out still in flight unless drained
     naive_bytes: int        # what the phase would hold if nothing ever left the device
-    exposed_bytes: int      # copied without overlapping compute: late loads + drained copies + streamed-in chunks
+    exposed_bytes: int      # copied without overlapping compute: late loads + drained copies
     fits: bool              # peak_bytes <= the plan's budget (True without a budget)
-    streamed: list[str] = field(default_factory=list)  # groups this phase walks chunk by chunk (stream())
-    stream_window_bytes: int = 0  # most bytes of streamed (not resident) chunks on the device at once in this phase
-    # next phase's streamed groups: how many chunks after the resident ones to prefetch (chunks R .. R+k-1)
-    prefetch_chunks: dict[str, int] = field(default_factory=dict)
-    copy_in_bytes: int = 0   # copied host -> device during this phase, steady state (late loads, prefetches, stream)
+    copy_in_bytes: int = 0   # copied host -> device during this phase, steady state (late loads and prefetches)
     copy_out_bytes: int = 0  # copied device -> host (started) during this phase, steady state
+
+
+class _Sizes:
+    """Byte sums over group names."""
+
+    def __init__(self, groups: list[PlannedGroup]):
+        self.by_name = {g.name: g for g in groups}
+
+    def kind(self, name: str) -> str:
+        return self.by_name[name].kind
+
+    def device(self, names: Iterable[str]) -> int:
+        """Bytes the groups take on the device (host groups never do)."""
+        return sum(self.by_name[n].nbytes for n in names if self.kind(n) != "host")
 
 
 @dataclass
@@ -55,129 +167,27 @@ class MemoryPlan:
     phases: list[PhasePlan]
     groups: list[PlannedGroup]
     budget_bytes: int | None = None
-    stream_window: int = 3  # chunks of a stream on the device in steady state: in use, coming in, going out
 
     @classmethod
-    def build(cls, groups: list[TensorGroup], phases: list[str], budget_bytes: int | None = None,
-              stream_window: int = 3, max_resident_chunks: int | None = 0) -> "MemoryPlan":
+    def build(cls, groups: list[TensorGroup], phases: list[str], budget_bytes: int | None = None) -> "MemoryPlan":
         """Per phase (cyclic: the last phase's next is the first), choose which of the next phase's groups to hold
-        (for a streamed group: how many of its leading chunks) and whether to drain: the choice that fits the
+        (prefetched during this phase) and whether to drain this entry's copies out: the choice that fits the
         budget with the fewest exposed bytes, then the lowest peak (when nothing fits: the lowest peak).
 
-        Resident chunks (`max_resident_chunks`: at most this many; 0, the default, keeps none; None: no cap). A
-        streamed phase may keep the first R chunks of its streamed groups on the device through the whole cycle:
-        never copied out or in, counted in every phase's peak; the previous phase's prefetch (k chunks), the
-        stream's window, its exposed bytes and its tail then concern chunks R.. only.
-
-        R and k draw on the same room in the phase before the streamed one (train, usually the tightest): the
-        streamed phase starts with R + k chunks on the device whichever way they got there, so turning a
-        prefetched chunk into a resident one leaves the exposed bytes as they are and saves its two copies per step
-        (and the bandwidth they take from the phases they overlap), while holding it in every other phase too. So
-        R is chosen over whole plans, each built as above with its R (which picks k): fewest exposed bytes first,
-        then the fewest bytes copied per step, then the lowest peak. Copies rank before the peak because under the
-        budget a lower peak buys nothing while every copy takes bandwidth. In effect R is the largest that fits
-        every phase without exposing more (a phase with no room for it would have to drain or drop a prefetch), and
-        k takes what room the phase before has left. Several streamed phases get their R in turn, the others fixed.
+        Until a copy out finishes, its memory is still taken (the caching allocator reuses a block only once the
+        copy stream has read it), so a phase's peak counts the copies it started on entry unless it drains them:
+        waits, host-side, before allocating anything. Draining exposes those copies, so it is chosen only when the
+        budget requires it; likewise a group not prefetched is loaded on entry, blocking.
         """
         _validate(groups, phases)
-        if stream_window < 2:
-            raise ValueError(f"stream_window must be >= 2 (the chunk in use and the next), got {stream_window}")
-        if max_resident_chunks is not None and max_resident_chunks < 0:
-            raise ValueError(f"max_resident_chunks must be >= 0 or None (no cap), got {max_resident_chunks}")
-        info = [PlannedGroup(g.name, g.kind, g.planned_bytes(), [p for p in phases if p in g.needed_in],
-                             g.planned_chunk_bytes(), g.frozen) for g in groups]
-        chunk_count = {g.needed_in[0]: len(g.chunk_nbytes) for g in info if g.chunk_nbytes is not None}
-        resident = {p: 0 for p in chunk_count}
-        plan = cls._build(info, phases, budget_bytes, stream_window, resident)
-        for p, n in chunk_count.items():
-            top = n if max_resident_chunks is None else min(n, max_resident_chunks)
-            for r in range(1, top + 1):
-                trial = cls._build(info, phases, budget_bytes, stream_window, {**resident, p: r})
-                if trial._choice_key() < plan._choice_key():
-                    plan, resident[p] = trial, r  # the next streamed phase's trials start from this R
-        return plan
-
-    def _choice_key(self) -> tuple:
-        exposed, copied = sum(r.exposed_bytes for r in self.phases), self.copy_in_bytes + self.copy_out_bytes
-        if all(r.fits for r in self.phases):
-            return (False, exposed, copied, self.peak_bytes)
-        return (True, self.peak_bytes, exposed, copied)
-
-    @classmethod
-    def _build(cls, info: list[PlannedGroup], phases: list[str], budget_bytes: int | None, stream_window: int,
-               resident_chunks: dict[str, int]) -> "MemoryPlan":
-        """The plan with `resident_chunks[phase]` leading chunks of that phase's streamed groups kept resident."""
-        info = [replace(g, resident_chunks=resident_chunks.get(g.needed_in[0], 0)) if g.chunk_nbytes is not None
-                else g for g in info]
-        by_name = {g.name: g for g in info}
-        kind = lambda n: by_name[n].kind
-        dev = lambda names: sum(by_name[n].nbytes for n in names if kind(n) != "host")
-        moving = lambda names: sum(by_name[n].nbytes for n in names if not by_name[n].frozen)  # copied out
+        info = [PlannedGroup(g.name, g.kind, g.planned_bytes(), [p for p in phases if p in g.needed_in])
+                for g in groups]
+        sizes = _Sizes(info)
         needed = {p: [g.name for g in info if p in g.needed_in] for p in phases}
-        plain = {p: [n for n in needed[p] if by_name[n].chunk_nbytes is None] for p in phases}
-        streamed = {p: [n for n in needed[p] if by_name[n].chunk_nbytes is not None] for p in phases}
-        # per chunk of each phase's stream (its streamed groups in lockstep), the resident ones left out
-        per_chunk = {p: [sum(c) for c in zip(*(by_name[n].chunk_nbytes for n in streamed[p]))]
-                     [resident_chunks.get(p, 0):] for p in phases}
-        kept = sum(g.resident_bytes for g in info)  # on the device in every phase
-        window = {p: window_bytes(per_chunk[p], stream_window) for p in phases}
-        all_offload = [g.name for g in info if g.kind == "offload"]
-
-        chosen, kchunks, drains = {}, {}, {}
-        for i, p in enumerate(phases):
-            prev, nxt = phases[i - 1], phases[(i + 1) % len(phases)]
-            candidates = [n for n in plain[nxt] if kind(n) == "offload" and n not in needed[p]]
-            k_options = range(len(per_chunk[nxt]) + 1) if nxt != p else [0]
-            nxt_floor = dev(plain[nxt]) + kept
-            best = None
-            for r in range(len(candidates) + 1):
-                for pick in itertools.combinations(candidates, r):
-                    resident = plain[p] + list(pick)
-                    outgoing = [n for n in plain[prev] if kind(n) == "offload" and n not in resident]
-                    out_bytes = moving(outgoing) + window[prev]  # the previous stream's tail: at least a window
-                    for k in k_options:
-                        held = sum(per_chunk[nxt][:k])
-                        skipped = dev(c for c in candidates if c not in pick) + sum(per_chunk[nxt][k:])
-                        # holding k chunks also holds them at the next phase's start
-                        nxt_over = budget_bytes is not None and k > 0 and \
-                            nxt_floor + max(window[nxt], held) > budget_bytes
-                        for drain in (False, True):
-                            peak = dev(resident) + kept + held + window[p] + (0 if drain else out_bytes)
-                            over = (budget_bytes is not None and peak > budget_bytes) or nxt_over
-                            exposed = skipped + (out_bytes if drain else 0)
-                            key = (over, peak, exposed, drain) if over else (over, exposed, peak, drain)
-                            if best is None or key < best[0]:
-                                best = (key, list(pick), k, drain)
-            chosen[p], kchunks[p], drains[p] = best[1], best[2], best[3]
-
-        cap = {p: max(window[p], sum(per_chunk[p][:kchunks[phases[i - 1]]])) if streamed[p] else 0
-               for i, p in enumerate(phases)}
-        rows = []
-        for i, p in enumerate(phases):
-            prev, nxt = phases[i - 1], phases[(i + 1) % len(phases)]
-            resident = [n for n in plain[p] if kind(n) != "host"] + chosen[p]
-            held_before = plain[prev] + chosen[prev]
-            outgoing = [n for n in held_before if kind(n) == "offload" and n not in resident]
-            freed = [n for n in needed[prev] if kind(n) == "release" and n not in needed[p]]
-            late = [n for n in plain[p] if kind(n) == "offload" and n not in held_before]
-            reserved = [n for n in needed[p] if kind(n) == "release" and n not in needed[prev]]
-            prefetch = [n for n in chosen[p] if n not in needed[prev]]
-            out_bytes = moving(outgoing) + cap[prev]
-            drain = drains[p] and out_bytes > 0
-            held_next = sum(per_chunk[nxt][:kchunks[p]])
-            streamed_late = sum(per_chunk[p][kchunks[prev]:]) if streamed[p] else 0
-            peak = dev(resident) + kept + held_next + cap[p] + (0 if drain else out_bytes)
-            rows.append(PhasePlan(
-                phase=p, needed=needed[p], resident=resident, offload=outgoing + freed, load=late + reserved,
-                prefetch=prefetch, drain=drain, peak_bytes=peak,
-                naive_bytes=dev(all_offload) + dev(n for n in needed[p] if kind(n) != "offload"),
-                exposed_bytes=dev(late) + (out_bytes if drain else 0) + streamed_late,
-                fits=budget_bytes is None or peak <= budget_bytes, streamed=streamed[p], stream_window_bytes=cap[p],
-                prefetch_chunks={n: kchunks[p] for n in streamed[nxt]} if kchunks[p] else {},
-                copy_in_bytes=dev(late) + dev(n for n in prefetch if kind(n) == "offload") + held_next
-                + streamed_late,
-                copy_out_bytes=moving(outgoing) + (sum(per_chunk[p]) if streamed[p] else 0)))
-        return cls(rows, info, budget_bytes, stream_window)
+        choices = [_choose(sizes, needed, phases, i, budget_bytes) for i in range(len(phases))]
+        naive_held = sizes.device(g.name for g in info if g.kind == "offload")
+        rows = [_phase_row(sizes, needed, phases, i, choices, budget_bytes, naive_held) for i in range(len(phases))]
+        return cls(rows, info, budget_bytes)
 
     def phase(self, name: str) -> PhasePlan:
         for row in self.phases:
@@ -195,7 +205,7 @@ class MemoryPlan:
 
     @property
     def copy_in_bytes(self) -> int:
-        """Bytes copied host -> device per step in steady state (a frozen group's first copy out not counted)."""
+        """Bytes copied host -> device per step in steady state."""
         return sum(r.copy_in_bytes for r in self.phases)
 
     @property
@@ -204,29 +214,16 @@ class MemoryPlan:
         return sum(r.copy_out_bytes for r in self.phases)
 
     @property
-    def resident_chunks(self) -> dict[str, int]:
-        """Streamed groups' chunks that never leave the device."""
-        return {g.name: g.resident_chunks for g in self.groups if g.chunk_nbytes is not None}
-
-    @property
     def floor_bytes(self) -> int:
-        """The least any plan can peak at: the largest phase's own needs (no prefetch, every copy drained; a
-        streamed group counts one window of chunks)."""
-        by_name = {g.name: g for g in self.groups}
-
-        def need(row):
-            chunks = [sum(c) for c in zip(*(by_name[n].chunk_nbytes for n in row.streamed))]
-            return (sum(by_name[n].nbytes for n in row.needed if by_name[n].kind != "host" and n not in row.streamed)
-                    + window_bytes(chunks, self.stream_window))
-
-        return max(need(r) for r in self.phases)
+        """The least any plan can peak at: the largest phase's own needs (no prefetch, every copy drained)."""
+        sizes = _Sizes(self.groups)
+        return max(sizes.device(r.needed) for r in self.phases)
 
     @property
     def host_bytes(self) -> int:
         """Host memory the plan needs: buffers of groups offloaded somewhere, plus host-resident groups."""
-        moved = {n for r in self.phases for n in r.offload + r.streamed}
-        return sum(g.nbytes - g.resident_bytes for g in self.groups
-                   if g.kind == "host" or (g.kind == "offload" and g.name in moved))
+        moved = {n for r in self.phases for n in r.offload}
+        return sum(g.nbytes for g in self.groups if g.kind == "host" or (g.kind == "offload" and g.name in moved))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -237,28 +234,68 @@ class MemoryPlan:
     def __str__(self) -> str:
         gib = lambda b: f"{b / GiB:8.2f}"
         lines = [f"{'group':<22}{'kind':<11}{'GiB':>8}  needed in"]
-        for g in self.groups:
-            kept = f", first {g.resident_chunks} resident" if g.resident_chunks else ""
-            chunks = f" ({len(g.chunk_nbytes)} chunks, streamed{kept})" if g.chunk_nbytes is not None else ""
-            frozen = " (frozen)" if g.frozen else ""
-            lines.append(f"{g.name:<22}{g.kind:<11}{gib(g.nbytes)}  {', '.join(g.needed_in)}{chunks}{frozen}")
+        lines += [f"{g.name:<22}{g.kind:<11}{gib(g.nbytes)}  {', '.join(g.needed_in)}" for g in self.groups]
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.2f} GiB"
         lines += ["", f"budget {budget}; host buffers {self.host_bytes / GiB:.2f} GiB; copied per step: in "
                       f"{self.copy_in_bytes / GiB:.2f} GiB, out {self.copy_out_bytes / GiB:.2f} GiB",
                   f"{'phase':<11}{'peak':>8}{'naive':>8}{'exposed':>8}  resident | offload | load | prefetch"]
-        kept = {n: k for n, k in self.resident_chunks.items() if k}
         for r in self.phases:
             flag = "" if r.fits else "  OVER BUDGET"
             drain = " (drained)" if r.drain else ""
-            resident = (r.resident + [f"{n}[:{k}]" for n, k in kept.items()]
-                        + [f"{n}(stream<={r.stream_window_bytes / GiB:.2f})" for n in r.streamed])
-            prefetch = r.prefetch + [f"{n}[{kept.get(n) or ''}:{kept.get(n, 0) + k}]"
-                                     for n, k in r.prefetch_chunks.items()]
             lines.append(f"{r.phase:<11}{gib(r.peak_bytes)}{gib(r.naive_bytes)}{gib(r.exposed_bytes)}  "
-                         f"{' '.join(resident) or '-'} | {' '.join(r.offload) or '-'}{drain} | "
-                         f"{' '.join(r.load) or '-'} | {' '.join(prefetch) or '-'}{flag}")
+                         f"{' '.join(r.resident) or '-'} | {' '.join(r.offload) or '-'}{drain} | "
+                         f"{' '.join(r.load) or '-'} | {' '.join(r.prefetch) or '-'}{flag}")
         lines.append(f"{'max':<11}{gib(self.peak_bytes)}{gib(self.naive_peak_bytes)}")
         return "\n".join(lines)
+
+
+def _choose(sizes: _Sizes, needed: dict[str, list[str]], phases: list[str], i: int,
+            budget_bytes: int | None) -> tuple[list[str], bool]:
+    """Phase i's (groups of the next phase to prefetch, drain): every subset of the candidates is tried, each with
+    and without draining. Over budget, the lowest peak wins; within it, the fewest exposed bytes, then the lowest
+    peak, then not draining."""
+    p, prev, nxt = phases[i], phases[i - 1], phases[(i + 1) % len(phases)]
+    candidates = [n for n in needed[nxt] if sizes.kind(n) == "offload" and n not in needed[p]]
+    best = None
+    for r in range(len(candidates) + 1):
+        for pick in itertools.combinations(candidates, r):
+            resident = needed[p] + list(pick)
+            out_bytes = sizes.device(n for n in needed[prev] if sizes.kind(n) == "offload" and n not in resident)
+            skipped = sizes.device(c for c in candidates if c not in pick)
+            for drain in (False, True):
+                peak = sizes.device(resident) + (0 if drain else out_bytes)
+                over = budget_bytes is not None and peak > budget_bytes
+                exposed = skipped + (out_bytes if drain else 0)
+                key = (over, peak, exposed, drain) if over else (over, exposed, peak, drain)
+                if best is None or key < best[0]:
+                    best = (key, list(pick), drain)
+    return best[1], best[2]
+
+
+def _phase_row(sizes: _Sizes, needed: dict[str, list[str]], phases: list[str], i: int,
+               choices: list[tuple[list[str], bool]], budget_bytes: int | None, naive_held: int) -> PhasePlan:
+    """Phase i's row, given every phase's choice: what leaves on entry is what the previous phase held (its needs
+    and its prefetches) and this one does not."""
+    p, prev = phases[i], phases[i - 1]
+    (pick, drain), (prev_pick, _) = choices[i], choices[i - 1]
+    kind = sizes.kind
+    resident = [n for n in needed[p] if kind(n) != "host"] + pick
+    held_before = needed[prev] + prev_pick
+    outgoing = [n for n in held_before if kind(n) == "offload" and n not in resident]
+    freed = [n for n in needed[prev] if kind(n) == "release" and n not in needed[p]]
+    late = [n for n in needed[p] if kind(n) == "offload" and n not in held_before]
+    reserved = [n for n in needed[p] if kind(n) == "release" and n not in needed[prev]]
+    prefetch = [n for n in pick if n not in needed[prev]]
+    out_bytes = sizes.device(outgoing)
+    drain = drain and out_bytes > 0
+    peak = sizes.device(resident) + (0 if drain else out_bytes)
+    return PhasePlan(
+        phase=p, needed=needed[p], resident=resident, offload=outgoing + freed, load=late + reserved,
+        prefetch=prefetch, drain=drain, peak_bytes=peak,
+        naive_bytes=naive_held + sizes.device(n for n in needed[p] if kind(n) != "offload"),
+        exposed_bytes=sizes.device(late) + (out_bytes if drain else 0),
+        fits=budget_bytes is None or peak <= budget_bytes,
+        copy_in_bytes=sizes.device(late) + sizes.device(prefetch), copy_out_bytes=out_bytes)
 
 
 def _validate(groups: list[TensorGroup], phases: list[str]) -> None:
@@ -272,7 +309,3 @@ def _validate(groups: list[TensorGroup], phases: list[str]) -> None:
         unknown = sorted(g.needed_in - set(phases))
         if unknown:
             raise ValueError(f"group {g.name!r} is needed in unknown phase(s) {unknown}; phases: {phases}")
-    for p in phases:  # streamed groups of one phase are walked in lockstep: chunk i of each together
-        counts = {g.name: len(g.planned_chunk_bytes()) for g in groups if g.streamed and p in g.needed_in}
-        if len(set(counts.values())) > 1:
-            raise ValueError(f"streamed groups of phase {p!r} have different chunk counts: {counts}")
