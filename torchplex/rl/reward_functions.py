@@ -46,9 +46,11 @@ class RewardLedger:
     max_failure_fraction: float = 0.0
     failures: int = 0
     by_function: dict[str, int] = field(default_factory=dict)
+    first_error: dict[str, str] = field(default_factory=dict)  # per function: its first failure, record and error
 
     def record(self, name: str, record_id: str, err: BaseException) -> None:
         if not self.by_function.get(name):
+            self.first_error[name] = f"record {record_id}: {type(err).__name__}: {err}"
             log.warning("reward %r failed on record %s: %s: %s (sample reward 0; later failures are counted in "
                         "reward/failures)", name, record_id, type(err).__name__, err)
         else:
@@ -178,8 +180,9 @@ def score_rewards(responses: Sequence[str], answers: Sequence[str], names: Seque
         per_fn[name], bad = score_one(name, fn, prompts, responses, answers, records, ledger)
         failed |= bad
     if responses and len(failed) / len(responses) > ledger.max_failure_fraction:
+        first = "; ".join(f"{name!r} first failed on {where}" for name, where in ledger.first_error.items())
         raise RewardFailureError(f"reward functions failed on {len(failed)} of {len(responses)} samples, over "
                                  f"reward.max_failure_fraction={ledger.max_failure_fraction} (failures so far: "
-                                 f"{ledger.by_function}); see the warnings above for the first record of each")
+                                 f"{ledger.by_function}; {first})")
     total = [sum(w * per_fn[n][i] for n, w in zip(names, weights)) for i in range(len(responses))]
     return total, per_fn

@@ -278,7 +278,8 @@ class StepRunner:
                     "held_compact": [list(v) for v in step.prefixes.compact_bytes.values()],
                     "largest_held_batch_tokens": step.prefixes.largest_batch_tokens}
             step.prefixes.clear()
-            self.scorer.new_step()
+            if schedule.mode != "serial":  # the serial scorer holds nothing between steps (and has no new_step)
+                self.scorer.new_step()
             self.failed_schedule = schedule
             e.add_note(f"in the {step.stage} stage of a step of {len(prompts)} prompts ({schedule.mode})")
             raise
