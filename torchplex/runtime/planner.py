@@ -221,7 +221,8 @@ def plan_step(shape: StepShape, options: PlanOptions, rollout: RolloutCapabiliti
                   tokens=serial_tokens),
         ])
         s.phases = [p for p in s.phases if p is not None]
-        s.reasons.append("serial: every sample is a full prompt+response forward in ref and train")
+        s.reasons.append("serial: every sample is a full prompt+response forward in "
+                         + ("ref and train" if shape.has_reference else "train"))
         s.validate()
         return s
     if options.mode not in ("decomposed", "overlapped"):
