@@ -99,6 +99,18 @@ def test_summary_names_steps_evals_checkpoint_and_plot(tmp_path):
         == "eval step 50: accuracy 0.500 | format 1.00 | 4/4 prompts"
 
 
+def test_summary_has_an_eval_line_per_named_eval_set(tmp_path):
+    """Issue 47, defect 3: with named eval sets (data.eval_files, metrics eval/<set>/...) the closing summary had no
+    eval line."""
+    summary = RunSummary(tmp_path, total_steps=4, steps_done=4)
+    for step, geo, chart in ((0, 0.25, 0.5), (2, 0.75, 0.25), (4, 0.5, 0.5)):
+        summary.add_eval(step, {"eval/geo/accuracy": geo, "eval/geo/prompts": 4.0, "eval/geo/skipped": 0.0,
+                                "eval/chart/accuracy": chart, "eval/chart/prompts": 3.0, "eval/chart/skipped": 1.0})
+    lines = summary.lines()
+    assert "  eval accuracy (geo): last 0.500 (step 4, 4/4 prompts), best 0.750 (step 2)" in lines
+    assert "  eval accuracy (chart): last 0.500 (step 4, 3/4 prompts), best 0.500 (step 0)" in lines
+
+
 def test_importing_the_trainer_prints_nothing():
     """Defect 9: every start printed torchao's `Failed to load ..._C_mxfp8...so` and torch's Enum deprecation."""
     done = subprocess.run([sys.executable, "-c", "import torchplex.train"], capture_output=True, text=True,

@@ -583,7 +583,8 @@ class Trainer:
             self.step += 1
             metrics, finite = self.train_step()
             last = self.step == cfg.training.steps
-            if evaluating and (self.step % cfg.metrics.eval_interval == 0 or last):
+            evaluated = evaluating and (self.step % cfg.metrics.eval_interval == 0 or last)
+            if evaluated:
                 last_eval = self.evaluate()
                 self.summary.add_eval(self.step, last_eval)
                 metrics.update(last_eval)
@@ -591,7 +592,7 @@ class Trainer:
             progress.update(self.step, metrics)
             if self.step % cfg.metrics.log_interval == 0:
                 progress.write(format_step_line(self.step, cfg.training.steps, metrics))
-            if evaluating and "eval/prompts" in metrics:
+            if evaluated:  # every eval set's line (named sets log eval/<set>/..., not eval/prompts)
                 progress.write(format_eval(self.step, last_eval))
             stopping = self.stop.requested and not last
             at_end = last and cfg.checkpoint.save_last
