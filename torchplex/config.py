@@ -594,13 +594,42 @@ def _absolute(value: str | list[str], base: Path) -> str | list[str]:
     return os.path.normpath(path if path.is_absolute() else base / path)
 
 
+# Keys naming reward functions: a "file.py:function" entry is a path (relative as PATH_KEYS are), and a
+# "module:function" entry whose module is not importable is looked for as a file in the same folder.
+REWARD_KEYS = ("reward.functions", "reward.correct")
+
+
 def _resolve_paths(cfg: Config, bases: dict[str, Path]) -> None:
     """Make the path keys that were set absolute (`bases`: key -> folder it is relative to); defaults are left."""
+    from .rl.reward_functions import locate_reward
+
     for key, base in bases.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if key in PATH_KEYS and value:
             setattr(getattr(cfg, section), name, _absolute(value, base))
+        elif key in REWARD_KEYS and value:
+            located = [locate_reward(v, base) for v in value] if isinstance(value, list) else locate_reward(value, base)
+            setattr(getattr(cfg, section), name, located)
+
+
+def check_rewards(cfg: Config, origin: str = "") -> None:
+    """Every reward.functions entry and reward.correct name a function: a built-in, "module:function" or
+    "path/file.py:function" (importing a user's module runs it). Checked with the config, so a misspelled name is
+    one line before any model is loaded."""
+    from .rl.reward_functions import get_reward, is_builtin
+
+    where = f" (config from {origin})" if origin else ""
+    named = [(f"reward.functions[{i}]", n) for i, n in enumerate(cfg.reward.functions)]
+    for key, name in named + [("reward.correct", cfg.reward.correct)]:
+        try:
+            get_reward(name)
+        except Exception as err:  # noqa: BLE001 - whatever a user's module raises on import is theirs to fix
+            reason = err.args[0] if isinstance(err, KeyError) and err.args else f"{type(err).__name__}: {err}"
+            if isinstance(err, ModuleNotFoundError) and not is_builtin(name):
+                reason += ("; a module must be importable or a file module.py in the folder the name is relative "
+                           "to (the command's folder, or the TOML's), or give path/to/file.py:function")
+            raise ConfigError(f"{key} = {name!r}{where}: {reason}") from None
 
 
 def _load(argv: list[str]) -> Config:
@@ -628,6 +657,7 @@ def _load(argv: list[str]) -> Config:
     _apply_algorithm_defaults(cfg, given)
     _resolve_paths(cfg, bases)
     _check_values(cfg, origin if origin == COMMAND_LINE else f"{origin} + {COMMAND_LINE}")
+    check_rewards(cfg, origin if origin == COMMAND_LINE else f"{origin} + {COMMAND_LINE}")
     return cfg
 
 

@@ -30,7 +30,7 @@ from .components.console import RunSummary, StopRequest, format_eval, optimizer_
 from .components.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, StepProgress, format_step_line
 from .components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from .components.plot_metrics import plot_metrics
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, check_rewards, load_config
 from .data.processing import load_processor
 from .data.prompts import EncodedBatch, PromptEncoder
 from .data.records import PromptStream
@@ -47,7 +47,7 @@ from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
 from .models.qwen2_5_vl.tiny_checkpoint import make_tiny_checkpoint
 from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
 from .evaluation import EvalSet, Evaluator
-from .rl.reward_functions import RewardLedger, get_reward, reward_answers
+from .rl.reward_functions import RewardFailureError, RewardLedger, reward_answers
 from .rollout.logprob_mismatch import mismatch_sums
 from .rollout.sampling import SamplingParams, sample_seeds
 from .rollout.sglang_backend.engine import build_sglang_engine, check_sglang_available
@@ -150,8 +150,7 @@ class Trainer:
                                    local=self._local, mean=self._mean,
                                    sums=lambda values: all_reduce_sums(values, self.device, self.dp_group))
         self.reward_ledger = RewardLedger(cfg.reward.max_failure_fraction)
-        for name in cfg.reward.functions:  # a misspelled name or import path fails now, not after the first rollout
-            get_reward(name)
+        check_rewards(cfg)  # a config built in code is checked as a loaded one is
         self.stream = PromptStream(self.train_records, cfg.data.prompts_per_step, seed=cfg.job.seed,
                                    shuffle=cfg.data.shuffle)
 
@@ -618,7 +617,7 @@ class Trainer:
 ALLOCATOR_SETTINGS = "expandable_segments:True"
 
 # Errors a user fixes by changing the config, the command or the data: shown as their message alone (exit 2)
-USER_ERRORS = (ConfigError, RunFolderError, DataError, FileNotFoundError)
+USER_ERRORS = (ConfigError, RunFolderError, DataError, FileNotFoundError, RewardFailureError)
 
 
 def main(argv: list[str] | None = None) -> None:

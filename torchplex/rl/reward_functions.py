@@ -25,6 +25,7 @@ import importlib.util
 import inspect
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,31 @@ def _import(path: str) -> Callable:
     if not callable(fn):
         raise ValueError(f"reward {path!r} is not callable")
     return fn
+
+
+def is_builtin(name: str) -> bool:
+    return name in rewards.REWARD_FUNCTIONS or name in verifiers.VERIFIERS
+
+
+def locate_reward(name: str, base: Path) -> str:
+    """`name` in a form that resolves from any working folder, `base` being the folder a relative name means (the
+    TOML's folder, or the one the command was run from). "path/file.py:f" gets an absolute path; "module:f" stays
+    as it is when `module` is importable, else becomes the file base/module.py (base/pkg/module.py for
+    "pkg.module:f") where that exists: run_train.sh runs from the repo root, where the caller's module is not on
+    the import path. Built-in names and names that locate nowhere are returned unchanged (the check reports them)."""
+    module, colon, attr = name.rpartition(":")
+    if is_builtin(name) or not colon or not module:
+        return name
+    if module.endswith(".py"):
+        path = Path(module).expanduser()
+        return f"{os.path.normpath(path if path.is_absolute() else base / path)}:{attr}"
+    try:
+        if importlib.util.find_spec(module.split(".")[0]) is not None:
+            return name
+    except (ImportError, ValueError):
+        return name
+    candidate = base.joinpath(*module.split(".")).with_suffix(".py")
+    return f"{candidate}:{attr}" if candidate.is_file() else name
 
 
 def _per_sample(fn: Callable[[str, str], float]) -> BatchRewardFn:
