@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from torchplex.config import load_config
 from torchplex.train import Trainer
@@ -43,3 +49,80 @@ def test_every_evaluation_of_named_eval_sets_is_on_the_console(tmp_path, tiny_ck
     for step in (0, 1, 2):
         assert any(line.startswith(f"eval step {step}: geo: accuracy") for line in console), console
     assert any(line.startswith("  eval accuracy (geo): last") and "(step 2, 2/2 prompts)" in line for line in console)
+
+
+def test_a_launch_that_fails_its_checks_leaves_an_earlier_run_as_it_was(tmp_path, tiny_ckpt):
+    """Issue 47, defect 1: with job.overwrite = true, a launch whose data glob matched nothing first deleted the
+    earlier run's metrics and TensorBoard logs, then failed. Every check now runs before the folder is touched."""
+    run = tmp_path / "runs" / "kept"
+    (run / "tb").mkdir(parents=True)
+    (run / "tb" / "events.out.tfevents.1").write_bytes(b"events")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    args = run_args(tmp_path, tiny_ckpt, "kept", "--job.overwrite=true")
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        Trainer(load_config(args + [f"--data.train_files={tmp_path / 'nothing-*.parquet'}"]))
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_an_unset_checkpoint_path_is_named_as_unset(tmp_path, monkeypatch):
+    """Issue 47, defect 11: with no config the error showed `model.hf_checkpoint = '.'`, a value never set."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as failed:
+        Trainer(load_config([]))
+    assert str(failed.value).startswith("model.hf_checkpoint is not set") and "'.'" not in str(failed.value)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+# ---- real processes ------------------------------------------------------------------------------------------------
+def process_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), PYTHON=sys.executable, OMP_NUM_THREADS="1")
+
+
+def launch(args: list[str], cwd: Path, **popen) -> subprocess.Popen:
+    """./run_train.sh with `args`, its output (stdout and stderr together) piped; SIGINT at its default in the child
+    (a suite started in the background has it ignored, inherited through exec)."""
+    return subprocess.Popen([str(REPO / "run_train.sh"), *args], cwd=cwd, env=process_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen)
+
+
+def read_until(proc: subprocess.Popen, marker: str, lines: list[str]) -> None:
+    """Read the process's output into `lines` until a line contains `marker` (fails if it ends first)."""
+    for line in proc.stdout:
+        lines.append(line)
+        if marker in line:
+            return
+    raise AssertionError(f"{marker!r} never printed:\n{''.join(lines)}")
+
+
+@pytest.mark.slow
+def test_a_second_launch_into_a_live_runs_folder_is_refused_and_the_live_run_goes_on(tmp_path, tiny_ckpt):
+    """Issue 47, defect 1: a second `--job.name=X` launch while run X was alive printed "held an earlier run:
+    replaced (... removed metrics.jsonl, tb)" and then its own error; the live run crashed on its deleted TensorBoard
+    file and its metrics were gone. Now the live run's lock refuses any second launch (one line, exit 2) and a launch
+    with a bad config fails its checks first; the live run finishes untouched."""
+    args = run_args(tmp_path, tiny_ckpt, "live", "--training.steps=1000", "--metrics.tensorboard=true")
+    first, lines = launch(args, tmp_path), []
+    try:
+        read_until(first, "step 1/1000", lines)
+        failing = subprocess.run([str(REPO / "run_train.sh"), *args, f"--data.train_files={tmp_path}/none-*.jsonl"],
+                                 cwd=tmp_path, env=process_env(), capture_output=True, text=True, timeout=300)
+        assert failing.returncode == 2 and "matches no file" in failing.stderr, failing.stderr
+        second = subprocess.run([str(REPO / "run_train.sh"), *args], cwd=tmp_path, env=process_env(),
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stdout + second.stderr
+        refusal = second.stderr.strip().splitlines()
+        assert len(refusal) == 1 and "is in use by a running job" in refusal[0] and f"pid {first.pid}" in refusal[0]
+        assert "replaced" not in failing.stdout + failing.stderr + second.stdout + second.stderr
+        first.send_signal(signal.SIGINT)
+        rest, _ = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    output = "".join(lines) + rest
+    assert "Traceback" not in output, output
+    stopped = int(output.split("stopped at step ")[1].split()[0])
+    steps = [json.loads(line)["step"] for line in (tmp_path / "runs" / "live" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, stopped + 1))
+    assert any((tmp_path / "runs" / "live" / "tb").iterdir())

@@ -58,8 +58,7 @@ from .runtime.phases import Stage
 from .runtime.grpo_step import all_reduce_sums, kl_to_reference
 from .runtime.rollout_weights import build_rollout_engine
 from .runtime.scoring import ScoreRequest, SerialScorer
-from .run_folder import RunFolderError, check_run_folder, clear_run_folder, may_write_tiny_checkpoint, \
-    missing_checkpoint_error
+from .run_folder import RunFolderError, claim_run_folder, may_write_tiny_checkpoint, missing_checkpoint_error
 
 log = logging.getLogger("torchplex")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -109,19 +108,8 @@ class Trainer:
         # Refused before anything is written: a typo must not leave a tiny random model (or a run folder) behind.
         missing_ckpt = not (ckpt / "config.json").is_file()
         if missing_ckpt and not (cfg.model.make_tiny_if_missing and may_write_tiny_checkpoint(str(ckpt))):
-            raise FileNotFoundError(missing_checkpoint_error(str(ckpt), cfg.model.make_tiny_if_missing))
-        self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.folder, cfg.checkpoint.interval,
-                                             cfg.checkpoint.keep_latest_k, cfg.checkpoint.enable)
-        resuming = cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpoints.latest_step() is not None
-        run_folder = check_run_folder(self.run_dir, self.checkpoints.folder, cfg.job.overwrite, resuming)
-        self._barrier()  # every rank has looked before rank 0 clears anything
-        if self.rank == 0:
-            if run_folder == "overwrite":
-                removed = clear_run_folder(self.run_dir, self.checkpoints.folder)
-                log.info("%s held an earlier run: replaced (job.overwrite = true; removed %s)", self.run_dir,
-                         ", ".join(removed))
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            cfg.save(self.run_dir / "config.toml")
+            raise FileNotFoundError(missing_checkpoint_error(cfg.model.hf_checkpoint, cfg.model.make_tiny_if_missing))
+        check_rewards(cfg)  # a config built in code is checked as a loaded one is
         self._seed(cfg.job.seed)
 
         if missing_ckpt:
@@ -150,9 +138,18 @@ class Trainer:
                                    local=self._local, mean=self._mean,
                                    sums=lambda values: all_reduce_sums(values, self.device, self.dp_group))
         self.reward_ledger = RewardLedger(cfg.reward.max_failure_fraction)
-        check_rewards(cfg)  # a config built in code is checked as a loaded one is
         self.stream = PromptStream(self.train_records, cfg.data.prompts_per_step, seed=cfg.job.seed,
                                    shuffle=cfg.data.shuffle)
+
+        # The run folder is taken once the checkpoint path, rewards and data have passed their checks: a launch that
+        # fails one leaves an earlier run's folder as it was, and a live run's folder is never touched (run_folder.py)
+        self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.folder, cfg.checkpoint.interval,
+                                             cfg.checkpoint.keep_latest_k, cfg.checkpoint.enable)
+        resuming = cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpoints.latest_step() is not None
+        self.run_lock = claim_run_folder(self.run_dir, self.checkpoints.folder, cfg.job.overwrite, resuming,
+                                         self.rank, self._any_rank)
+        if self.rank == 0:
+            cfg.save(self.run_dir / "config.toml")
 
         dtype = DTYPES[cfg.model.dtype]
         self.actor = build_model(hf_dir=ckpt, device=self.device, dtype=dtype, parallelize=self._parallelize)
@@ -201,6 +198,14 @@ class Trainer:
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank of the job (a collective over every rank)."""
+        if not dist.is_initialized():
+            return flag
+        total = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(total)
+        return bool(total.item())
 
     def _parallelize(self, model):
         m = self.cfg.model
@@ -534,6 +539,8 @@ class Trainer:
         if self.rank == 0:
             for line in self.summary.lines():
                 log.info(line)
+        if self.run_lock is not None:
+            self.run_lock.release()
         return last_eval
 
     def _resume(self) -> None:
