@@ -126,3 +126,29 @@ def test_a_second_launch_into_a_live_runs_folder_is_refused_and_the_live_run_goe
     steps = [json.loads(line)["step"] for line in (tmp_path / "runs" / "live" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, stopped + 1))
     assert any((tmp_path / "runs" / "live" / "tb").iterdir())
+
+
+def synthetic_args(tmp_path: Path, tiny_ckpt: Path, name: str, *extra: str) -> list[str]:
+    return [f"--job.config_file={DEBUG_TOML}", f"--job.output_dir={tmp_path / 'runs'}", f"--job.name={name}",
+            f"--model.hf_checkpoint={tiny_ckpt}", f"--data.synthetic_dir={tmp_path / 'synthetic'}",
+            "--data.synthetic_train=8", "--data.synthetic_eval=4", "--data.prompts_per_step=2", *extra]
+
+
+def task_of(trainer: Trainer) -> list[tuple]:
+    """The eval set as the model sees it: prompts, answers and image bytes."""
+    return [(r.prompt, r.answer, [Path(i).read_bytes() for i in r.images]) for r in trainer.eval_records]
+
+
+def test_the_synthetic_task_is_the_same_for_every_job_seed_and_never_rewritten_under_a_run(tmp_path, tiny_ckpt):
+    """Issue 47, defect 10: the synthetic task was generated from job.seed into one shared folder, so runs with
+    different seeds trained and evaluated on different tasks, and a new run rewrote the images under a run still
+    reading them. The task now has its own seed (data.synthetic_seed) and a folder per task version, seed and size."""
+    first = Trainer(load_config(synthetic_args(tmp_path, tiny_ckpt, "a", "--job.seed=0")))
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "synthetic").rglob("*") if p.is_file()}
+    other_seed = Trainer(load_config(synthetic_args(tmp_path, tiny_ckpt, "b", "--job.seed=1")))
+    assert task_of(other_seed) == task_of(first)
+    other_task = Trainer(load_config(synthetic_args(tmp_path, tiny_ckpt, "c", "--data.synthetic_seed=1")))
+    assert task_of(other_task) != task_of(first)
+    for path, (data, mtime) in files.items():  # the first run's files, as it found them
+        assert path.read_bytes() == data and path.stat().st_mtime_ns == mtime, path
+    assert len([p for p in (tmp_path / "synthetic").iterdir() if not p.name.startswith(".")]) == 2

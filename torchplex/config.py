@@ -68,9 +68,11 @@ class ModelConfig:
 class DataConfig:
     train_file: str = ""  # "" = generate the synthetic task into synthetic_dir
     eval_file: str = ""
-    synthetic_dir: str = "outputs/synthetic"
+    synthetic_dir: str = "outputs/synthetic"  # the synthetic tasks' root: each task, version, seed and size in its own folder
     # "shapes": images (data/synthetic.py); "video_counting": mp4 files of moving squares (data/synthetic_video.py)
     synthetic_task: Literal["shapes", "video_counting"] = "shapes"
+    # the synthetic task's own seed: runs of any job.seed train and evaluate on the same task
+    synthetic_seed: int = 0
     synthetic_train: int = 2000
     synthetic_eval: int = 200
     synthetic_size: int = 0  # side in pixels of the task's images or video frames; 0: 112 (images), 56 (video)
@@ -462,6 +464,7 @@ _CHECKS = [
 # ZeroDivisionError after the warm-up). Floats must also be finite (checked for every float key below).
 _RANGES = [
     ("job.seed", lambda v: 0 <= v < 2**32, "must be in [0, 2**32) (numpy's seed range)"),
+    ("data.synthetic_seed", lambda v: 0 <= v < 2**32, "must be in [0, 2**32) (numpy's seed range)"),
     ("data.synthetic_train", lambda v: v >= 1, "must be >= 1"),
     ("data.synthetic_eval", lambda v: v >= 0, "must be >= 0"),
     ("data.synthetic_size", lambda v: v == 0 or (v >= 28 and v % 2 == 0), "must be 0 (the task's default) or an "

@@ -12,7 +12,6 @@ its G samples) or "overlapped" (decomposed, with the actor prefix fused into the
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -36,8 +35,7 @@ from .data.prompts import EncodedBatch, PromptEncoder
 from .data.records import PromptStream
 from .data.skips import DataError, skip_counts_text
 from .data.sources import BadRecords, ColumnKeys, load_records, set_name
-from .data.synthetic import generate_synthetic_task
-from .data.synthetic_video import generate_video_task
+from .data.synthetic import prepare_task
 from .data.video import VideoBudget
 from .distributed.mesh import build_parallel_dims, destroy_distributed, finish_distributed, init_distributed
 from .models import fusion
@@ -234,19 +232,13 @@ class Trainer:
                 for key, path in (("data.train_file", train_path), ("data.eval_file", eval_path)):
                     if path is not None and not path.is_file():
                         raise FileNotFoundError(f"{key} = {str(path)!r}: no such file")
-            else:
-                if d.synthetic_task == "video_counting":
-                    side = d.synthetic_size or 56
-                    generate = functools.partial(generate_video_task, size=(side, side),
-                                                 num_frames=d.synthetic_frames or 8, fps=4)
-                else:
-                    side = d.synthetic_size or 112
-                    generate = functools.partial(generate_synthetic_task, image_size=(side, side))
+            else:  # the task of data.synthetic_seed, in a folder of its own (data/synthetic.py)
+                task = (d.synthetic_dir, d.synthetic_task, d.synthetic_seed, d.synthetic_train, d.synthetic_eval,
+                        d.synthetic_size, d.synthetic_frames)
                 if self.rank == 0:
-                    generate(d.synthetic_dir, d.synthetic_train, d.synthetic_eval, seed=self.cfg.job.seed)
+                    prepare_task(*task)
                 self._barrier()
-                train_path, eval_path = generate(d.synthetic_dir, d.synthetic_train, d.synthetic_eval,
-                                                 seed=self.cfg.job.seed)
+                train_path, eval_path = prepare_task(*task)
             train = self._read(keys, [str(train_path)], "train")
             evals = [EvalSet("eval", self._read(keys, [str(eval_path)], "eval"), legacy=True)] if eval_path else []
         self.bad_records.summary()
