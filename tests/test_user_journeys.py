@@ -13,23 +13,33 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from PIL import Image
 
 from torchplex.config import load_config
+from torchplex.rl import rewards
 from torchplex.train import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_TOML = REPO / "train_configs" / "debug.toml"
 
 
-def write_records(path: Path, n: int, prefix: str = "t") -> Path:
-    path.write_text("".join(json.dumps({"id": f"{prefix}{i}", "prompt": f"What is {i} + 1?", "answer": str(i + 1)})
-                            + "\n" for i in range(n)))
+def write_records(path: Path, n: int, prefix: str = "t", images: bool = False) -> Path:
+    """`n` records "What is i + 1?"; with `images`, each with a small image of its own."""
+    rows = []
+    for i in range(n):
+        row = {"id": f"{prefix}{i}", "prompt": f"What is {i} + 1?", "answer": str(i + 1)}
+        if images:
+            Image.new("RGB", (56, 56), (40 * i % 256, 90, 160)).save(path.parent / f"{prefix}{i}.png")
+            row["images"] = [f"{prefix}{i}.png"]
+        rows.append(json.dumps(row) + "\n")
+    path.write_text("".join(rows))
     return path
 
 
-def run_args(tmp_path: Path, tiny_ckpt: Path, name: str, *extra: str) -> list[str]:
-    """debug.toml cut to a run of a few seconds on the tiny checkpoint and a text-only JSONL."""
-    train = write_records(tmp_path / "train.jsonl", 8)
+def run_args(tmp_path: Path, tiny_ckpt: Path, name: str, *extra: str, images: bool = False) -> list[str]:
+    """debug.toml cut to a run of a few seconds on the tiny checkpoint and a JSONL of 8 records."""
+    train = write_records(tmp_path / "train.jsonl", 8, images=images)
     return [f"--job.config_file={DEBUG_TOML}", f"--job.output_dir={tmp_path / 'runs'}", f"--job.name={name}",
             f"--model.hf_checkpoint={tiny_ckpt}", f"--data.train_files={train}", "--data.prompts_per_step=2",
             "--rollout.n_samples=2", "--rollout.max_new_tokens=4", "--training.steps=2",
@@ -152,3 +162,50 @@ def test_the_synthetic_task_is_the_same_for_every_job_seed_and_never_rewritten_u
     for path, (data, mtime) in files.items():  # the first run's files, as it found them
         assert path.read_bytes() == data and path.stat().st_mtime_ns == mtime, path
     assert len([p for p in (tmp_path / "synthetic").iterdir() if not p.name.startswith(".")]) == 2
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out.setdefault(record["step"], {}).update(record)
+    return out
+
+
+def test_after_a_warm_up_the_reference_is_the_warmed_up_policy(tmp_path, tiny_ckpt):
+    """Issue 47, defect 7: with a KL penalty after an SFT warm-up the reference was the random checkpoint before the
+    warm-up (KL 6-9 from the first GRPO step). The reference of an RL run is its starting policy: at the first GRPO
+    step, before any update, the actor scores every sample exactly as the reference does."""
+    trainer = Trainer(load_config(run_args(tmp_path, tiny_ckpt, "kl", "--algorithm.kl_coef=0.05",
+                                           "--training.sft_warmup_steps=3", "--training.sft_batch_size=2",
+                                           "--training.steps=1")))
+    before = {name: p.detach().clone() for name, p in trainer.reference.named_parameters()}
+    trainer.train()
+    assert read_metrics(tmp_path / "runs" / "kl")[1]["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert any(not torch.equal(p, before[name]) for name, p in trainer.reference.named_parameters())
+
+
+def test_a_resumed_run_keeps_the_warmed_up_reference(tmp_path, tiny_ckpt, monkeypatch):
+    """Issue 47, defect 7 on resume: the warmed-up reference is saved with the checkpoints, so a run resumed after a
+    crash has the same KL term as the run that went straight through."""
+    # a reward the random model earns unevenly, so the steps move the actor away from the reference
+    monkeypatch.setitem(rewards.REWARD_FUNCTIONS, "distinct_chars", lambda response, answer: len(set(response)) / 16)
+    options = ["--algorithm.kl_coef=0.05", "--training.sft_warmup_steps=3", "--training.sft_batch_size=2",
+               "--training.steps=3", "--checkpoint.enable=true", "--checkpoint.interval=1", "--optimizer.lr=1e-3",
+               "--reward.functions=distinct_chars", "--reward.weights=1.0"]
+    # images: every weight trains (a checkpoint of text-only steps has no optimizer state for the vision tower)
+    Trainer(load_config(run_args(tmp_path, tiny_ckpt, "straight", *options, images=True))).train()
+    crashing = Trainer(load_config(run_args(tmp_path, tiny_ckpt, "resumed", *options, images=True)))
+    run_step = crashing.train_step
+
+    def crash_in_step_3():
+        if crashing.step == 3:
+            raise KeyboardInterrupt  # a second Ctrl-C, or a preemption
+        return run_step()
+
+    crashing.train_step = crash_in_step_3
+    with pytest.raises(KeyboardInterrupt):
+        crashing.train()
+    Trainer(load_config(run_args(tmp_path, tiny_ckpt, "resumed", *options, images=True))).train()
+    straight, resumed = read_metrics(tmp_path / "runs" / "straight"), read_metrics(tmp_path / "runs" / "resumed")
+    assert straight[3]["kl"] > 0 and resumed[3]["kl"] == straight[3]["kl"]

@@ -130,7 +130,9 @@ class AlgorithmConfig:
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] ("clip-higher" when they differ)
     clip_high: float = 0.2
-    kl_coef: float = 0.0  # 0 = no reference model is needed
+    # KL penalty to the reference, the run's starting policy (after an SFT warm-up, the warmed-up model); 0 = no
+    # reference model is loaded
+    kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                       "seq-mean-token-sum-norm"] = "seq-mean-token-mean"  # docs/losses.md

@@ -60,6 +60,7 @@ from .run_folder import RunFolderError, claim_run_folder, may_write_tiny_checkpo
 
 log = logging.getLogger("torchplex")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+REFERENCE_WEIGHTS = "reference"  # the warmed-up reference's weights, in the checkpoint folder
 
 
 def ensure_tiny_checkpoint(path: Path, flavor: str, seed: int) -> None:
@@ -329,6 +330,20 @@ class Trainer:
                 progress.write(f"warm-up step {step}/{t.sft_warmup_steps} | loss {loss.item():.4f}")
         progress.close()
         del optimizer
+        if self.reference is not None and not self.stop.requested:
+            self._start_reference_at_actor()
+
+    @torch.no_grad()
+    def _start_reference_at_actor(self) -> None:
+        """The reference of an RL run is its starting policy: after a warm-up, the warmed-up actor (not the checkpoint
+        the warm-up started from, which put the KL term far from 0 at the first GRPO step). Saved with the
+        checkpoints, so that a resumed run keeps it."""
+        actor = dict(self.actor.named_parameters())
+        for name, param in self.reference.named_parameters():
+            if param is not actor[name]:  # a frozen vision tower is one module of both models
+                param.copy_(actor[name])
+        if self.cfg.checkpoint.enable:
+            self.checkpoints.save_weights(REFERENCE_WEIGHTS, self.reference)
 
     # ---- evaluation ------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -543,6 +558,10 @@ class Trainer:
         self.skipped_samples = extra.get("skipped_samples", 0)
         self.unequal_share_dropped = extra.get("unequal_share_dropped", 0)
         self.encoder.skips.load_state_dict(extra.get("skips", {}))
+        if self.reference is not None and self.cfg.training.sft_warmup_steps > 0:  # the warmed-up policy
+            if not self.checkpoints.load_weights(REFERENCE_WEIGHTS, self.reference):
+                log.warning("no %s in %s: the reference model is model.hf_checkpoint, not the warmed-up policy",
+                            REFERENCE_WEIGHTS, self.checkpoints.folder)
         dropped = self.metrics.drop_after(self.step)  # logged after the checkpoint: they are logged again
         self.summary.resumed_from = self.step
         log.info("resumed from step %d (%s)%s", self.step, self.checkpoints.step_dir(self.step),

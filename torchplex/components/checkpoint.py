@@ -264,6 +264,37 @@ class CheckpointManager:
         for old_step in self.saved_steps()[: -self.keep_latest_k]:
             shutil.rmtree(self.step_dir(old_step), ignore_errors=True)
 
+    def save_weights(self, name: str, model: torch.nn.Module) -> Path:
+        """`model`'s weights alone in `folder/name` (DCP, resharded on load like a step's checkpoint), written under
+        a temporary name and renamed when complete; outside the steps' pruning. Collective, like `save`."""
+        rank = _rank()
+        tmp_dir, final_dir = self.folder / f"{_TMP_PREFIX}{name}", self.folder / name
+        if rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            tmp_dir.mkdir()
+        _barrier()
+        with _quiet_single_process_dcp():
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp_dir), no_dist=not _distributed())
+        _barrier()
+        if rank == 0:
+            if final_dir.exists():
+                shutil.rmtree(final_dir)
+            tmp_dir.rename(final_dir)
+        _barrier()
+        return final_dir
+
+    def load_weights(self, name: str, model: torch.nn.Module) -> bool:
+        """Load `folder/name` (written by `save_weights`) into `model`; False when there is none."""
+        path = self.folder / name
+        if not (path / _DCP_METADATA).is_file():
+            return False
+        state = {"model": get_model_state_dict(model)}
+        with _quiet_single_process_dcp():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+        set_model_state_dict(model, state["model"])
+        return True
+
     # ---- load ------------------------------------------------------------------------------------
 
     def load(
