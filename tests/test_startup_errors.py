@@ -136,7 +136,8 @@ def test_run_train_sh_config_error_is_its_message_only(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_says_how_to_resume(tmp_path, tiny_ckpt):
     """Defect 9: Ctrl-C printed ~80 lines of tracebacks and saved nothing. The first SIGINT finishes the step,
-    writes a checkpoint, prints the summary and exits 0; the same command then resumes from that step."""
+    writes a checkpoint, prints the summary and exits 130 (issue 47, defect 8: it exited 0, where shells and
+    schedulers expect 130); the same command then resumes from that step."""
     import signal
 
     argv = [sys.executable, "-m", "torchplex.train", f"--job.config_file={REPO / 'train_configs' / 'debug.toml'}",
@@ -158,7 +159,7 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_says_how_to_resume(tm
             break
     rest, _ = proc.communicate(timeout=120)
     output = "".join(lines) + rest
-    assert proc.returncode == 0, output
+    assert proc.returncode == 130, output
     assert "Traceback" not in output
     stopped = int(output.split("stopped at step ")[1].split()[0])
     assert (tmp_path / "interrupted" / "checkpoints" / f"step-{stopped}").is_dir()

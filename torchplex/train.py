@@ -304,8 +304,7 @@ class Trainer:
         progress = StepProgress(t.sft_warmup_steps, rank=self.rank, enable=self.cfg.metrics.progress_bar,
                                 desc="warmup")
         for step in range(1, t.sft_warmup_steps + 1):
-            if self.stop.requested:
-                log.info("warm-up stopped at step %d/%d", step - 1, t.sft_warmup_steps)
+            if self.stop.requested:  # the loop's end says so (_stopped_line)
                 break
             batch = self.encoder.encode_batch(self._local(stream.next_batch()), phase="warmup")
             if self._fewest(len(batch.prompts)) == 0:  # every rank skips the step, or none (collectives)
@@ -326,6 +325,7 @@ class Trainer:
             reshard(self.actor)
             optimizer.step()
             progress.update(step, {"sft/loss": loss.item()})
+            self.summary.warmup_done = step
             if step % 50 == 0 or step == t.sft_warmup_steps:
                 progress.write(f"warm-up step {step}/{t.sft_warmup_steps} | loss {loss.item():.4f}")
         progress.close()
@@ -617,10 +617,21 @@ class Trainer:
                 self._save()
         progress.close()
         if self.stop.requested and self.rank == 0:
-            log.info("stopped at step %d on request; %s", self.step,
-                     f"the same command resumes from {self.summary.checkpoint}" if self.summary.checkpoint else
-                     "checkpoints are off (checkpoint.enable = false): nothing to resume from")
+            log.info(self._stopped_line())
         return last_eval
+
+    def _stopped_line(self) -> str:
+        """What a stop on request (Ctrl-C) leaves to resume from."""
+        warmup = self.cfg.training.sft_warmup_steps
+        if not self.summary.resumed_from and self.step == 0 and self.summary.warmup_done < warmup:
+            return (f"stopped during the warm-up at step {self.summary.warmup_done}/{warmup} on request; the warm-up "
+                    f"is not checkpointed: the same command starts it over")
+        if self.summary.checkpoint is not None:
+            return f"stopped at step {self.step} on request; the same command resumes from {self.summary.checkpoint}"
+        if not self.cfg.checkpoint.enable:
+            return (f"stopped at step {self.step} on request; checkpoints are off (checkpoint.enable = false): "
+                    f"nothing to resume from")
+        return f"stopped at step {self.step} on request; no checkpoint was saved: the same command starts over"
 
     def _plot(self) -> Path | None:
         try:
@@ -646,8 +657,12 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(argv)
         if cfg.rollout.backend == "native":  # before CUDA is initialised; SGLang's memory saver refuses them
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_SETTINGS)
-        Trainer(cfg).train()
-        finish_distributed()
+        trainer = Trainer(cfg)
+        trainer.train()
+        status = 130 if trainer.stop.requested else 0  # stopped by Ctrl-C: the status shells and schedulers expect
+        finish_distributed(status)
+        if status:
+            raise SystemExit(status)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

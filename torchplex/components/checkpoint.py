@@ -92,6 +92,30 @@ def _resync_offloading_optimizer(optimizer: torch.optim.Optimizer) -> None:
         optimizer.d_param_groups = device_optimizer.param_groups
 
 
+def _interrupted(err: BaseException) -> bool:
+    """Whether `err` is a Ctrl-C: a KeyboardInterrupt, or DCP's CheckpointException holding one (DCP catches what
+    each rank raises during a save or load, a Ctrl-C included, and raises them together)."""
+    if isinstance(err, KeyboardInterrupt):
+        return True
+    failures = getattr(err, "failures", None)
+    return isinstance(failures, Mapping) and any(isinstance(failure[0], KeyboardInterrupt)
+                                                 for failure in failures.values())
+
+
+@contextlib.contextmanager
+def _written_whole(tmp_dir: Path, rank: int):
+    """Around the writing of `tmp_dir`: when anything stops it (a second Ctrl-C included), the partial folder goes,
+    and a Ctrl-C that DCP wrapped comes out as the KeyboardInterrupt it was (the trainer then exits 130)."""
+    try:
+        yield
+    except BaseException as err:
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        if _interrupted(err) and not isinstance(err, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        raise
+
+
 class CheckpointLoadError(RuntimeError):
     """No checkpoint of a folder could be loaded; the message lists each one's folder and reason."""
 
@@ -234,35 +258,46 @@ class CheckpointManager:
             tmp_dir.mkdir()
         _barrier()
 
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
-        if optimizer is not None and _dcp_handles(optimizer):
-            state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-        with _quiet_single_process_dcp():
-            dcp.save(state, checkpoint_id=str(tmp_dir), no_dist=not _distributed())
+        with _written_whole(tmp_dir, rank):
+            state: dict[str, Any] = {"model": get_model_state_dict(model)}
+            if optimizer is not None and _dcp_handles(optimizer):
+                state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+            with _quiet_single_process_dcp():
+                dcp.save(state, checkpoint_id=str(tmp_dir), no_dist=not _distributed())
 
-        train_state = {
-            "step": int(step),
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "extra": extra,
-            "rng": capture_rng_state(),
-            "optimizer": None if optimizer is None or _dcp_handles(optimizer) else optimizer.state_dict(),
-        }
-        torch.save(train_state, tmp_dir / _train_state_filename(rank))
-
-        _barrier()  # every rank's shards and train state are on disk
+            train_state = {
+                "step": int(step),
+                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                "extra": extra,
+                "rng": capture_rng_state(),
+                "optimizer": None if optimizer is None or _dcp_handles(optimizer) else optimizer.state_dict(),
+            }
+            torch.save(train_state, tmp_dir / _train_state_filename(rank))
+            _barrier()  # every rank's shards and train state are on disk
         if rank == 0:
-            if final_dir.exists():
-                shutil.rmtree(final_dir)
-            tmp_dir.rename(final_dir)
+            self._put_in_place(tmp_dir, final_dir)
             self._prune()
         _barrier()  # nobody reads `folder` before the rename and pruning are done
         return final_dir
+
+    def _put_in_place(self, tmp_dir: Path, final_dir: Path) -> None:
+        """Rename the finished `tmp_dir` to `final_dir`; a folder already there is first moved aside under a
+        temporary name, so that an interruption leaves no half-deleted checkpoint (temporary folders are never
+        loaded, and the next save removes them)."""
+        if final_dir.exists():
+            aside = self.folder / f"{_TMP_PREFIX}replaced-{final_dir.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            final_dir.rename(aside)
+            shutil.rmtree(aside)
+        tmp_dir.rename(final_dir)
 
     def _prune(self) -> None:
         if self.keep_latest_k <= 0:
             return
         for old_step in self.saved_steps()[: -self.keep_latest_k]:
-            shutil.rmtree(self.step_dir(old_step), ignore_errors=True)
+            aside = self.folder / f"{_TMP_PREFIX}pruned-{old_step}"  # out of saved_steps() before it is deleted
+            self.step_dir(old_step).rename(aside)
+            shutil.rmtree(aside, ignore_errors=True)
 
     def save_weights(self, name: str, model: torch.nn.Module) -> Path:
         """`model`'s weights alone in `folder/name` (DCP, resharded on load like a step's checkpoint), written under
@@ -274,13 +309,13 @@ class CheckpointManager:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             tmp_dir.mkdir()
         _barrier()
-        with _quiet_single_process_dcp():
-            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp_dir), no_dist=not _distributed())
-        _barrier()
+        with _written_whole(tmp_dir, rank):
+            with _quiet_single_process_dcp():
+                dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp_dir),
+                         no_dist=not _distributed())
+            _barrier()
         if rank == 0:
-            if final_dir.exists():
-                shutil.rmtree(final_dir)
-            tmp_dir.rename(final_dir)
+            self._put_in_place(tmp_dir, final_dir)
         _barrier()
         return final_dir
 

@@ -91,6 +91,7 @@ class RunSummary:
     run_dir: Path
     total_steps: int
     warmup_steps: int = 0
+    warmup_done: int = 0  # warm-up steps run (fewer than warmup_steps when stopped during the warm-up)
     steps_done: int = 0
     resumed_from: int | None = None
     evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
@@ -109,7 +110,11 @@ class RunSummary:
         minutes, seconds = divmod(int(round(self.seconds)), 60)
         head = "stopped" if self.stopped_early else "done"
         started = f", resumed from step {self.resumed_from}" if self.resumed_from else ""
-        warmup = f" after {self.warmup_steps} warm-up steps" if self.warmup_steps and not self.resumed_from else ""
+        warmup = ""
+        if self.warmup_steps and not self.resumed_from:
+            done = self.warmup_done if self.stopped_early and self.steps_done == 0 else self.warmup_steps
+            warmup = f" after {self.warmup_steps} warm-up steps" if done == self.warmup_steps else \
+                f" after {done}/{self.warmup_steps} warm-up steps (the warm-up is not checkpointed)"
         out = [f"{head}: {self.steps_done}/{self.total_steps} GRPO steps{warmup}{started} in {minutes}m{seconds:02d}s"]
         for name, prefix in _eval_sets(self.evals):
             key = prefix + "accuracy"
