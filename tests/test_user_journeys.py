@@ -18,7 +18,7 @@ from PIL import Image
 
 from torchplex.config import load_config
 from torchplex.rl import rewards
-from torchplex.train import Trainer
+from torchplex.train import USER_ERRORS, Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_TOML = REPO / "train_configs" / "debug.toml"
@@ -275,3 +275,19 @@ def test_a_second_ctrl_c_during_the_checkpoint_save_stops_at_once_leaving_no_par
     assert output.rstrip().splitlines()[-1] == "interrupted"
     checkpoints = tmp_path / "runs" / "saving" / "checkpoints"
     assert not checkpoints.exists() or list(checkpoints.iterdir()) == []
+
+
+def test_no_loadable_checkpoint_is_one_line_saying_how_to_start_over(tmp_path, tiny_ckpt):
+    """Issue 47, defect 9: with every checkpoint truncated the resume was a 46-line traceback with no advice. It is a
+    user error (one line, exit status 2) naming the folder, each checkpoint's reason and how to start over."""
+    args = run_args(tmp_path, tiny_ckpt, "broken", "--training.steps=1", "--checkpoint.enable=true",
+                    "--checkpoint.interval=1")
+    Trainer(load_config(args)).train()
+    checkpoints = tmp_path / "runs" / "broken" / "checkpoints"
+    for shard in checkpoints.glob("step-*/*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:40])  # truncated mid-write
+    with pytest.raises(USER_ERRORS) as failed:
+        Trainer(load_config(args + ["--training.steps=2"])).train()
+    message = str(failed.value)
+    assert "\n" not in message and f"no checkpoint in {checkpoints} loads (step 1: " in message
+    assert f"move {checkpoints} aside, or pass --checkpoint.resume=false --job.overwrite=true" in message

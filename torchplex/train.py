@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .components.checkpoint import CheckpointManager
+from .components.checkpoint import CheckpointLoadError, CheckpointManager
 from .components.console import RunSummary, StopRequest, format_eval, optimizer_notice, setup_logging
 from .components.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, StepProgress, format_step_line
 from .components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
@@ -646,7 +646,7 @@ class Trainer:
 ALLOCATOR_SETTINGS = "expandable_segments:True"
 
 # Errors a user fixes by changing the config, the command or the data: shown as their message alone (exit 2)
-USER_ERRORS = (ConfigError, RunFolderError, DataError, FileNotFoundError, RewardFailureError)
+USER_ERRORS = (ConfigError, RunFolderError, DataError, FileNotFoundError, RewardFailureError, CheckpointLoadError)
 
 
 def main(argv: list[str] | None = None) -> None:

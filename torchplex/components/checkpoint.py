@@ -117,7 +117,8 @@ def _written_whole(tmp_dir: Path, rank: int):
 
 
 class CheckpointLoadError(RuntimeError):
-    """No checkpoint of a folder could be loaded; the message lists each one's folder and reason."""
+    """No checkpoint of a folder could be loaded; the message (one line) gives each one's folder and reason, and how
+    to start over."""
 
 
 def _first_line(err: BaseException) -> str:
@@ -407,8 +408,10 @@ class CheckpointManager:
                 raise
             except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
                 failed.append((step, f"{self.step_dir(step)}: {type(err).__name__}: {_first_line(err)}"))
-        raise CheckpointLoadError("no checkpoint in {} loads:\n{}".format(
-            self.folder, "\n".join(f"  step {step}: {reason}" for step, reason in failed)))
+        reasons = "; ".join(f"step {step}: {reason}" for step, reason in failed)
+        raise CheckpointLoadError(f"no checkpoint in {self.folder} loads ({reasons}); to start over, move "
+                                  f"{self.folder} aside, or pass --checkpoint.resume=false --job.overwrite=true "
+                                  f"(which deletes it)")
 
     @staticmethod
     def save_model_only(
