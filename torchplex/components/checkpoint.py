@@ -433,7 +433,7 @@ def save_model_only(
     native state dict before writing, e.g. a state-dict adapter to Hugging Face names.
     Peak host memory is one full copy of the model on rank 0.
     """
-    from safetensors.torch import save_file
+    from torchplex.models.qwen2_5_vl.weights import save_safetensors  # the usual file mode, not safetensors' 0600
 
     path = Path(path)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -451,7 +451,7 @@ def save_model_only(
             seen.add(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp_path = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp_path))
+        save_safetensors(tensors, tmp_path)
         tmp_path.replace(path)
     _barrier()
     return path
