@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -522,3 +522,40 @@ def test_run_train_sh_refuses_an_unknown_reward_before_any_process_starts(tmp_pa
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and "reward.functions[1] = 'nosuch'" in done.stderr, done.stderr
+
+
+# ---- --help (issue 47, defect 11) -----------------------------------------------------------------------------------
+def help_text(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit):
+        load_config([*args, "--help"])
+    return capsys.readouterr().out
+
+
+def test_help_describes_every_key(capsys):
+    """Issue 47, defect 11: --help gave no description of any key. Each key's line is followed by what it does, read
+    from the comment of its dataclass field (the one place a key is described)."""
+    lines = help_text(capsys).splitlines()
+    keys = [i for i, line in enumerate(lines) if line.startswith("  --")]
+    assert len(keys) == sum(len(fields(section)) for section in [type(getattr(Config(), f.name))
+                                                                  for f in fields(Config)])
+    for i in keys:
+        following = lines[i + 1] if lines[i + 1].strip().startswith("'") else None  # a value under a wide type
+        description = lines[i + 2 if following else i + 1]
+        assert description.startswith("      ") and description.strip(), lines[i]
+    text = "\n".join(lines)
+    assert "  --job.name " in text and "the run's name: its folder is <output_dir>/<name>" in text
+    assert "A run folder holds one run. true: a folder holding an earlier run" in text  # a comment block above a key
+
+
+def test_help_keeps_values_in_their_column_after_long_types(capsys):
+    """Issue 47, defect 11: a long enum type ran into the default column (`... 'seq-mean-token-sum-norm'
+    'seq-mean-token-mean'`). Every value starts in the value column, on the key's line or the next one."""
+    lines = help_text(capsys).splitlines()
+    column = next(line for line in lines if line.startswith("  --training.steps ")).rindex(" 20") + 1
+    cfg = Config().to_dict()
+    for i, line in enumerate(lines):
+        if line.startswith("  --"):
+            section, key = line.split()[0].removeprefix("--").split(".")
+            value = repr(cfg[section][key])
+            shown = line if len(line) > column and line[column - 2:column] == "  " else lines[i + 1]
+            assert shown[column:] == value and shown[:column].endswith("  "), (line, lines[i + 1])
