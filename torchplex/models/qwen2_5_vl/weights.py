@@ -324,9 +324,19 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLik
     """safetensors' `save_file`, the file then given the mode any new file gets (0666 less the umask): safetensors
     writes through a private temporary file, which left exported weights readable by their owner only (0600)."""
     save_file(tensors, str(path), metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (os.umask can only set it, and setting it
+    for a moment would race with files other threads create)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return umask
 
 
 def save_hf_weights(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], out_dir: str | os.PathLike,
