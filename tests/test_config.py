@@ -493,7 +493,8 @@ def test_a_reward_file_in_a_toml_is_relative_to_the_toml(tmp_path, caller_with_r
     conf = tmp_path / "conf"
     conf.mkdir()
     (conf / "rewards.py").write_text(USER_REWARD)
-    path = write_toml(conf, '[reward]\nfunctions = ["rewards.py:brevity"]\nweights = [1.0]\ncorrect = "rewards.py:brevity"\n')
+    path = write_toml(conf, '[reward]\nfunctions = ["rewards.py:brevity"]\nweights = [1.0]\n'
+                            'correct = "rewards.py:brevity"\n')
     cfg = load_config(["--job.config_file", path])
     assert cfg.reward.functions == [f"{conf / 'rewards.py'}:brevity"] and cfg.reward.correct == cfg.reward.functions[0]
 

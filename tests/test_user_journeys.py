@@ -133,7 +133,8 @@ def test_a_second_launch_into_a_live_runs_folder_is_refused_and_the_live_run_goe
     output = "".join(lines) + rest
     assert first.returncode == 130 and "Traceback" not in output, output
     stopped = int(output.split("stopped at step ")[1].split()[0])
-    steps = [json.loads(line)["step"] for line in (tmp_path / "runs" / "live" / "metrics.jsonl").read_text().splitlines()]
+    metrics = (tmp_path / "runs" / "live" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in metrics]
     assert steps == list(range(1, stopped + 1))
     assert any((tmp_path / "runs" / "live" / "tb").iterdir())
 

@@ -32,7 +32,7 @@ END = "<!-- debug-run: end -->"
 TRAIN_WINDOW = 50  # train-batch accuracy: mean of the first and of the last this many GRPO steps
 
 
-# ---- the run --------------------------------------------------------------------------------------------------------
+# ---- the run ------------------------------------------------------------------------------------------------
 def run_default() -> tuple[float, str]:
     """`./run_train.sh` with no arguments from the repo root; its wall time and console (stdout and stderr)."""
     started, lines = time.perf_counter(), []
@@ -110,7 +110,7 @@ def summarize(run_dir: Path, wall_s: float, console: str, commit: str, load_1min
     }
 
 
-# ---- the README block -------------------------------------------------------------------------------------------------
+# ---- the README block -----------------------------------------------------------------------------------------
 def render(summary: dict) -> str:
     """The README block of a run summary (docs/results/debug_run.json)."""
     s = summary
@@ -142,9 +142,10 @@ def render(summary: dict) -> str:
                f"and eval lines, one line per 50 warm-up steps, the first step's schedule, one line per 10 GRPO steps "
                f"(`metrics.log_interval`; metrics.jsonl has every step), every evaluation, and a closing summary "
                f"(`...` marks the lines left out here). On a terminal a progress bar per phase redraws in place.")
-    return "\n".join([BEGIN, _wrap(run), "", "| point | eval accuracy | answers in `<answer>` format |", "|---|---|---|",
-                      *rows, "", _wrap(gained), "", _wrap(console), "", "```", *s["console_excerpt"], "```", "",
-                      "![curves of the default run](docs/img/debug_run_metrics.png)", END])
+    table = ["| point | eval accuracy | answers in `<answer>` format |", "|---|---|---|", *rows]
+    return "\n".join([BEGIN, _wrap(run), "", *table, "", _wrap(gained), "", _wrap(console), "", "```",
+                      *s["console_excerpt"], "```", "", "![curves of the default run](docs/img/debug_run_metrics.png)",
+                      END])
 
 
 def _wrap(paragraph: str) -> str:

@@ -114,7 +114,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this probability
     top_k: int = 0  # sample from the k most likely tokens; 0 = off
     max_new_tokens: int = 32  # longest response sampled, in tokens
-    kv_pool_gib: float = 1.0  # the rollout KV cache; 0 = sized each step from memory.budget_gib (all groups if they fit)
+    kv_pool_gib: float = 1.0  # the rollout KV cache; 0 = sized each step from memory.budget_gib (all groups that fit)
     max_batch: int = 256  # sequences decoded concurrently
     # native backend: once no prompt waits and the live samples fit one per group slot, decode them alone (as groups
     # of one in the pool's first rows) instead of every slot to the longest response's end; off by default, as it paid
