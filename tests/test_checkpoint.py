@@ -356,5 +356,24 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before_naming_it(tmp_
 
     for shard in manager.step_dir(1).glob("*.distcp"):
         shard.write_bytes(b"")
-    with pytest.raises(RuntimeError, match=r"step 2: .*step-2.*\n.*step 1: .*step-1"):
+    with pytest.raises(RuntimeError, match=r"step 2: .*step-2.*; step 1: .*step-1"):
         manager.load_newest(fresh, fresh_optimizer, fresh_scheduler)
+
+
+def test_a_ctrl_c_during_a_save_is_a_keyboard_interrupt_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    """Issue 47, defect 8: a Ctrl-C while DCP wrote a checkpoint came out as DCP's CheckpointException (66 lines) and
+    left the partial folder. It is the KeyboardInterrupt it was, and the checkpoints before it are as they were."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    model, optimizer, scheduler = _build(seed=0)
+    manager = CheckpointManager(tmp_path, interval=1, keep_latest_k=0)
+    _train_step(model, optimizer, scheduler)
+    manager.save(1, model, optimizer, scheduler)
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(2, model, optimizer, scheduler)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"] and manager.saved_steps() == [1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -227,7 +227,7 @@ def non_default_config() -> Config:
     # seed: numpy refuses negative seeds (job.seed is range-checked)
     cfg.job = replace(cfg.job, name='quote " back\\slash\ttab é \x7f', description="line1\nline2", seed=3)
     cfg.optimizer = replace(cfg.optimizer, lr=1 / 3 * 1e-6, eps=1e-12, name="adamw8bit")
-    cfg.reward = replace(cfg.reward, functions=["format", "accuracy", "length"], weights=[0.1, 1.0, -0.25])
+    cfg.reward = replace(cfg.reward, functions=["format", "accuracy", "think_format"], weights=[0.1, 1.0, -0.25])
     cfg.model = replace(cfg.model, compile=True, dtype="bfloat16")
     cfg.rollout = replace(cfg.rollout, kv_pool_gib=float(2**40), top_k=50)
     return cfg
@@ -256,7 +256,7 @@ def test_to_dict_and_from_dict_round_trip():
                          "training", "checkpoint", "metrics", "runtime", "parallelism", "memory"}
     assert Config.from_dict(data) == cfg
     data["reward"]["functions"].append("mutated")  # to_dict hands out copies, not the config's own lists
-    assert cfg.reward.functions == ["format", "accuracy", "length"]
+    assert cfg.reward.functions == ["format", "accuracy", "think_format"]
 
 
 def test_from_dict_validates_like_a_file():
@@ -457,3 +457,106 @@ def test_compact_decode_with_the_sglang_backend_fails_at_load_naming_both_keys()
         load_file(str(REPO / "train_configs" / "debug.toml"), "--rollout.compact_decode=true",
                   "--rollout.backend=sglang")
     assert load_file(str(REPO / "train_configs" / "debug.toml"), "--rollout.compact_decode=true").rollout.compact_decode
+
+
+# ---- reward functions, resolved and checked with the config (issue 47, defect 4) ----------------------------------
+USER_REWARD = "def brevity(prompts, responses, answers, records):\n    return [1.0 for _ in responses]\n"
+
+
+@pytest.fixture
+def caller_with_rewards(tmp_path, monkeypatch):
+    """A folder holding my_rewards.py that the command is run from, while the process works in the repo root (as
+    run_train.sh does); my_rewards is not importable from there."""
+    caller = tmp_path / "me"
+    caller.mkdir()
+    (caller / "my_rewards.py").write_text(USER_REWARD)
+    monkeypatch.setenv("TORCHPLEX_CALLER_DIR", str(caller))
+    monkeypatch.chdir(REPO)
+    yield caller
+    sys.modules.pop("my_rewards", None)
+
+
+@pytest.mark.parametrize("entry", ["my_rewards.py:brevity", "my_rewards:brevity"])
+def test_a_reward_on_the_command_line_is_found_in_the_callers_folder(caller_with_rewards, entry):
+    """Issue 47, defect 4: `--reward.functions=math,my_rewards.py:f` from another folder was looked up in the repo
+    root, and the module form `my_rewards:f` did not import; both mean the caller's folder, as paths do."""
+    from torchplex.rl.reward_functions import get_reward
+
+    cfg = load_config([f"--reward.functions=math,{entry}", "--reward.weights=1.0,0.5"])
+    assert cfg.reward.functions == ["math", f"{caller_with_rewards / 'my_rewards.py'}:brevity"]
+    assert list(get_reward(cfg.reward.functions[1])(prompts=["p"], responses=["r"], answers=["a"],
+                                                    records=[None])) == [1.0]
+
+
+def test_a_reward_file_in_a_toml_is_relative_to_the_toml(tmp_path, caller_with_rewards):
+    """Issue 47, defect 4: a TOML's reward path means the TOML's folder, like its other paths."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "rewards.py").write_text(USER_REWARD)
+    path = write_toml(conf, '[reward]\nfunctions = ["rewards.py:brevity"]\nweights = [1.0]\n'
+                            'correct = "rewards.py:brevity"\n')
+    cfg = load_config(["--job.config_file", path])
+    assert cfg.reward.functions == [f"{conf / 'rewards.py'}:brevity"] and cfg.reward.correct == cfg.reward.functions[0]
+
+
+@pytest.mark.parametrize("entry,reason", [
+    ("nosuch", r"unknown reward function 'nosuch'; known: .*accuracy"),
+    ("no_module_here:f", r"ModuleNotFoundError: No module named 'no_module_here'; a module must be importable"),
+    ("missing.py:f", r"no file .*missing\.py"),
+    ("my_rewards:nothing", r"has no 'nothing'"),
+])
+def test_a_reward_that_does_not_resolve_is_a_config_error_naming_the_key(caller_with_rewards, entry, reason):
+    """Issue 47, defect 4: an unknown built-in was a KeyError traceback, and every reward was resolved only after
+    the models had loaded; now the config check names the key, the value and why (one line, exit status 2)."""
+    with pytest.raises(ConfigError, match=rf"^reward\.functions\[1\] = .*{reason}") as failed:
+        load_config([f"--reward.functions=math,{entry}", "--reward.weights=1.0,0.5"])
+    assert "command line" in str(failed.value) and "\n" not in str(failed.value)
+    with pytest.raises(ConfigError, match=r"^reward\.correct = 'nosuch'"):
+        load_config(["--reward.correct=nosuch"])
+
+
+@pytest.mark.slow
+def test_run_train_sh_refuses_an_unknown_reward_before_any_process_starts(tmp_path):
+    """Issue 47, defect 4: `--reward.functions=nosuch` failed after 20-30 s of model loading with a traceback."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHON=sys.executable, TRAIN_MODULE="no_such_trainer_module")
+    done = subprocess.run([str(REPO / "run_train.sh"), "--reward.functions=accuracy,nosuch"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "reward.functions[1] = 'nosuch'" in done.stderr, done.stderr
+
+
+# ---- --help (issue 47, defect 11) -----------------------------------------------------------------------------------
+def help_text(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit):
+        load_config([*args, "--help"])
+    return capsys.readouterr().out
+
+
+def test_help_describes_every_key(capsys):
+    """Issue 47, defect 11: --help gave no description of any key. Each key's line is followed by what it does, read
+    from the comment of its dataclass field (the one place a key is described)."""
+    lines = help_text(capsys).splitlines()
+    keys = [i for i, line in enumerate(lines) if line.startswith("  --")]
+    assert len(keys) == sum(len(fields(section)) for section in [type(getattr(Config(), f.name))
+                                                                  for f in fields(Config)])
+    for i in keys:
+        following = lines[i + 1] if lines[i + 1].strip().startswith("'") else None  # a value under a wide type
+        description = lines[i + 2 if following else i + 1]
+        assert description.startswith("      ") and description.strip(), lines[i]
+    text = "\n".join(lines)
+    assert "  --job.name " in text and "the run's name: its folder is <output_dir>/<name>" in text
+    assert "A run folder holds one run. true: a folder holding an earlier run" in text  # a comment block above a key
+
+
+def test_help_keeps_values_in_their_column_after_long_types(capsys):
+    """Issue 47, defect 11: a long enum type ran into the default column (`... 'seq-mean-token-sum-norm'
+    'seq-mean-token-mean'`). Every value starts in the value column, on the key's line or the next one."""
+    lines = help_text(capsys).splitlines()
+    column = next(line for line in lines if line.startswith("  --training.steps ")).rindex(" 20") + 1
+    cfg = Config().to_dict()
+    for i, line in enumerate(lines):
+        if line.startswith("  --"):
+            section, key = line.split()[0].removeprefix("--").split(".")
+            value = repr(cfg[section][key])
+            shown = line if len(line) > column and line[column - 2:column] == "  " else lines[i + 1]
+            assert shown[column:] == value and shown[:column].endswith("  "), (line, lines[i + 1])

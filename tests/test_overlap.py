@@ -31,6 +31,15 @@ def test_serial_schedule_runs_full_forwards_in_order():
     assert s.phase("ref").tokens == 4 * 160 + 2 * 4 * 8  # G*(P) + all response tokens
 
 
+def test_serial_schedule_without_a_reference_says_train_only():
+    """Issue 47, defect 11: with kl_coef = 0 (no reference loaded) the serial schedule said "forward in ref and
+    train"."""
+    s = plan_step(dataclasses.replace(SHAPE, has_reference=False), PlanOptions(mode="serial"))
+    assert [p.name for p in s.phases] == ["rollout", "train"]
+    assert not any("ref and train" in reason for reason in s.reasons), s.reasons
+    assert "every sample is a full prompt+response forward in train" in str(s)
+
+
 def test_decomposed_schedule_runs_prefix_once_per_prompt():
     s = plan_step(SHAPE, PlanOptions(mode="decomposed"))
     assert [p.name for p in s.phases] == ["vision", "rollout", "ref_prefix", "ref_suffix", "train"]

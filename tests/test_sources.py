@@ -15,6 +15,7 @@ from torchplex.data.media import build_interleaved_messages, open_image
 from torchplex.data.processing import load_processor
 from torchplex.data.prompts import PromptEncoder
 from torchplex.data.records import BadSampleError, PromptRecord
+from torchplex.data.skips import DataError
 from torchplex.data.sources import BadRecords, ColumnKeys, StoredImage, expand_files, load_records, set_name
 
 
@@ -95,6 +96,55 @@ def test_bad_rows_of_a_parquet_file_are_skipped_not_fatal(tmp_path):
     bad = BadRecords()
     records = load_records([str(tmp_path / "t.parquet")], ColumnKeys(prompt="problem"), bad)
     assert [r.prompt for r in records] == ["ok", "ok too"] and bad.counts == {str(tmp_path / "t.parquet"): 1}
+
+
+def test_an_empty_parquet_file_holds_no_records_like_an_empty_jsonl(tmp_path):
+    """Issue 47, defect 5: an empty Parquet file (train or eval) was a 53-line `datasets` traceback where an empty
+    JSONL gives no records (and the trainer's one-line error)."""
+    write_parquet(tmp_path / "empty.parquet", {"problem": [], "answer": [], "images": []})
+    (tmp_path / "zero_bytes.parquet").write_bytes(b"")
+    (tmp_path / "empty.jsonl").write_text("")
+    expected = load_records([str(tmp_path / "empty.jsonl")])
+    assert expected == []
+    for name in ("empty.parquet", "zero_bytes.parquet"):
+        assert load_records([str(tmp_path / name)], ColumnKeys(prompt="problem")) == expected
+
+
+def test_an_unreadable_parquet_file_is_one_error_naming_it(tmp_path):
+    """Issue 47, defect 5: a file `datasets` cannot read is one DataError naming the file and the cause."""
+    (tmp_path / "broken.parquet").write_bytes(b"not a parquet file")
+    with pytest.raises(DataError, match=r"broken\.parquet: cannot be read as parquet \(ArrowInvalid: .*magic"):
+        load_records([str(tmp_path / "broken.parquet")])
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "jsonl", "default jsonl"])
+def test_a_wrong_column_key_is_one_error_naming_the_key_and_the_file_columns(tmp_path, caplog, suffix):
+    """Issue 47, defect 6: `--data.prompt_key=nosuch` printed a "skipping bad record" line per row and never named
+    the columns the file has."""
+    rows = {"problem": ["a?", "b?", "c?"], "answer": ["1", "2", "3"], "images": [[], [], []]}
+    if suffix == "parquet":
+        path, keys = tmp_path / "t.parquet", ColumnKeys(prompt="nosuch")
+        write_parquet(path, rows)
+    else:
+        path = tmp_path / "t.jsonl"
+        path.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n"
+                                for p, a in zip(rows["problem"], rows["answer"])))
+        keys = ColumnKeys() if suffix == "default jsonl" else ColumnKeys(prompt="nosuch")
+    wrong = keys.prompt
+    with caplog.at_level(logging.WARNING), pytest.raises(DataError) as failed:
+        load_records([str(path)], keys)
+    columns = "answer, images, problem" if suffix == "parquet" else "answer, problem"
+    assert str(failed.value) == f"{path} has no column {wrong!r} (data.prompt_key = {wrong!r}); its columns: {columns}"
+    assert not [m for m in caplog.messages if "skipping bad record" in m]
+
+
+def test_reading_a_parquet_file_prints_no_progress_bar(tmp_path, capfd):
+    """Issue 47, defect 11: `datasets` printed "Generating train split" bars for every train and eval file."""
+    write_parquet(tmp_path / "fresh.parquet", {"problem": ["a?"], "answer": ["1"], "images": [[]]})
+    capfd.readouterr()
+    assert len(load_records([str(tmp_path / "fresh.parquet")], ColumnKeys(prompt="problem"))) == 1
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
 
 
 def test_a_pattern_matching_nothing_is_an_error(tmp_path):

@@ -99,6 +99,18 @@ def test_summary_names_steps_evals_checkpoint_and_plot(tmp_path):
         == "eval step 50: accuracy 0.500 | format 1.00 | 4/4 prompts"
 
 
+def test_summary_has_an_eval_line_per_named_eval_set(tmp_path):
+    """Issue 47, defect 3: with named eval sets (data.eval_files, metrics eval/<set>/...) the closing summary had no
+    eval line."""
+    summary = RunSummary(tmp_path, total_steps=4, steps_done=4)
+    for step, geo, chart in ((0, 0.25, 0.5), (2, 0.75, 0.25), (4, 0.5, 0.5)):
+        summary.add_eval(step, {"eval/geo/accuracy": geo, "eval/geo/prompts": 4.0, "eval/geo/skipped": 0.0,
+                                "eval/chart/accuracy": chart, "eval/chart/prompts": 3.0, "eval/chart/skipped": 1.0})
+    lines = summary.lines()
+    assert "  eval accuracy (geo): last 0.500 (step 4, 4/4 prompts), best 0.750 (step 2)" in lines
+    assert "  eval accuracy (chart): last 0.500 (step 4, 3/4 prompts), best 0.500 (step 0)" in lines
+
+
 def test_importing_the_trainer_prints_nothing():
     """Defect 9: every start printed torchao's `Failed to load ..._C_mxfp8...so` and torch's Enum deprecation."""
     done = subprocess.run([sys.executable, "-c", "import torchplex.train"], capture_output=True, text=True,
@@ -124,7 +136,8 @@ def test_run_train_sh_config_error_is_its_message_only(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_says_how_to_resume(tmp_path, tiny_ckpt):
     """Defect 9: Ctrl-C printed ~80 lines of tracebacks and saved nothing. The first SIGINT finishes the step,
-    writes a checkpoint, prints the summary and exits 0; the same command then resumes from that step."""
+    writes a checkpoint, prints the summary and exits 130 (issue 47, defect 8: it exited 0, where shells and
+    schedulers expect 130); the same command then resumes from that step."""
     import signal
 
     argv = [sys.executable, "-m", "torchplex.train", f"--job.config_file={REPO / 'train_configs' / 'debug.toml'}",
@@ -146,7 +159,7 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_says_how_to_resume(tm
             break
     rest, _ = proc.communicate(timeout=120)
     output = "".join(lines) + rest
-    assert proc.returncode == 0, output
+    assert proc.returncode == 130, output
     assert "Traceback" not in output
     stopped = int(output.split("stopped at step ")[1].split()[0])
     assert (tmp_path / "interrupted" / "checkpoints" / f"step-{stopped}").is_dir()

@@ -306,6 +306,27 @@ def test_save_removes_stale_shards_of_an_earlier_save(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [SINGLE_FILE]
 
 
+def test_saved_weight_files_get_the_mode_of_any_new_file(tmp_path):
+    """Issue 47, defect 11: exported safetensors were written mode 0600 (safetensors' private temporary file), so
+    others sharing the run folder could not read the exported model; every file gets 0666 less the umask, as the
+    config and tokenizer files beside it."""
+    import os
+    import stat
+
+    from torchplex.components.checkpoint import save_model_only
+
+    native_model = Qwen2_5_VLModel(tiny_args(tie=True))
+    umask = os.umask(0o022)
+    try:
+        save_hf_weights(native_model, tmp_path / "hf", max_shard_bytes=300_000)
+        save_model_only(tmp_path / "model.safetensors", native_model)
+        (tmp_path / "hf" / "config.json").write_text("{}")
+    finally:
+        os.umask(umask)
+    files = [*(tmp_path / "hf").glob("*.safetensors"), tmp_path / "model.safetensors", tmp_path / "hf" / "config.json"]
+    assert len(files) > 3 and {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o644}
+
+
 # ---- sharded (DTensor) loading, 2 processes --------------------------------------------------------
 def _sharded_load_worker(rank: int, directory: str, store: str, results: str) -> None:
     """FSDP2 (Shard(0), uneven on the odd vocab) and TP-like placements (Shard(1) / Replicate)."""

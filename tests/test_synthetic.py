@@ -234,3 +234,24 @@ def test_background_is_what_the_image_processor_normalises_to_zero():
     normalised = [(c / 255 - m) / s for c, m, s in zip(BACKGROUND, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)]
     assert max(abs(v) for v in normalised) < 0.5 / 255 / min(OPENAI_CLIP_STD)
     assert BACKGROUND not in PALETTE.values()
+
+
+def test_a_task_folder_is_written_whole_or_not_at_all_and_reused(tmp_path):
+    """Issue 47, defect 10: the trainer's task folder appears by one rename of a finished copy, is reused when
+    present (never rewritten under a run reading it), and a generation that fails leaves nothing behind."""
+    from torchplex.data.synthetic import prepare_task, write_once
+
+    def failing(folder):
+        (folder / "half.png").write_bytes(b"x")
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        write_once(tmp_path / "task", failing)
+    assert list(tmp_path.iterdir()) == []
+    train, eval_ = prepare_task(tmp_path, "shapes", seed=3, num_train=4, num_eval=2)
+    assert train.parent.name == "shapes-v2-seed3-4train-2eval-112x112px" and eval_.parent == train.parent
+    stamps = {p: p.stat().st_mtime_ns for p in train.parent.rglob("*")}
+    assert write_once(train.parent, failing) == train.parent  # present: `write` is not called
+    assert prepare_task(tmp_path, "shapes", seed=3, num_train=4, num_eval=2) == (train, eval_)
+    assert {p: p.stat().st_mtime_ns for p in train.parent.rglob("*")} == stamps
+    assert [p.name for p in tmp_path.iterdir()] == [train.parent.name]

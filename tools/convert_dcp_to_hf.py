@@ -26,14 +26,13 @@ if __package__ in (None, ""):  # run as a script: make `torchplex` importable fr
 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from torchplex.models.qwen2_5_vl.args import ModelArgs  # noqa: E402
 from torchplex.models.qwen2_5_vl.state_dict_adapter import LAYOUTS, Qwen2_5_VLStateDictAdapter  # noqa: E402
 from torchplex.models.qwen2_5_vl.weights import (  # noqa: E402
-    CheckpointMismatchError, HFCheckpoint, copy_non_weight_files, finish_hf_weights, plan_shards,
+    CheckpointMismatchError, HFCheckpoint, copy_non_weight_files, finish_hf_weights, plan_shards, save_safetensors,
     shard_file_names)
 
 @dataclass
@@ -150,7 +149,7 @@ def convert_dcp_to_hf(dcp_dir: str | Path, hf_dir: str | Path, config_from: str 
             out[hf_name[key]] = _load_one(reader, tensors[key])
             weight_map[hf_name[key]] = file_name
             bar.update()
-        save_file(out, hf_dir / file_name, metadata={"format": "pt"})
+        save_safetensors(out, hf_dir / file_name, metadata={"format": "pt"})
     bar.close()
     finish_hf_weights(hf_dir, weight_map, sum(sizes.values()))
     copied = copy_non_weight_files(src, hf_dir)

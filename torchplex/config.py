@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
+import io
 import json
 import math
 import os
 import sys
+import textwrap
+import tokenize
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -37,10 +41,10 @@ COMMAND_LINE = "command line"
 @dataclass
 class JobConfig:
     config_file: str = ""  # the TOML this config was read from ("" = dataclass defaults only)
-    name: str = "debug"
-    output_dir: str = "runs"  # the run folder is <output_dir>/<name>
-    seed: int = 0
-    description: str = ""
+    name: str = "debug"  # the run's name: its folder is <output_dir>/<name>
+    output_dir: str = "runs"  # where run folders are made: the run folder is <output_dir>/<name>
+    seed: int = 0  # seeds sampling, data order, initial weights of a written tiny model (not the synthetic task)
+    description: str = ""  # free text, kept in the run's config.toml
     # A run folder holds one run. true: a folder holding an earlier run (metrics, TensorBoard logs, plots,
     # checkpoints) is emptied first; false: such a folder is refused unless its checkpoint is resumed.
     overwrite: bool = False
@@ -52,13 +56,13 @@ class JobConfig:
 
 @dataclass
 class ModelConfig:
-    flavor: str = "debug"  # a key of torchplex.models.qwen2_5_vl.args.FLAVORS
-    hf_checkpoint: str = ""  # HF folder (config.json + safetensors); "" = random init of `flavor`
+    flavor: str = "debug"  # the size of a tiny checkpoint written when absent: a key of models/qwen2_5_vl/args.FLAVORS
+    hf_checkpoint: str = ""  # the Hugging Face Qwen2.5-VL folder (config.json + safetensors) to start from; required
     make_tiny_if_missing: bool = True  # build a tiny HF checkpoint at hf_checkpoint when absent (debug runs)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    freeze_vision: bool = False
-    activation_checkpointing: bool = False
-    compile: bool = False
+    dtype: Literal["float32", "bfloat16"] = "float32"  # weights and compute of actor, reference and rollout
+    freeze_vision: bool = False  # train the language model only; the vision tower is shared with the reference
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of holding it
+    compile: bool = False  # torch.compile the decoder layers' tensor functions (dynamic sizes)
     # the elementwise chains (RMSNorm, rotary, the gated MLP's product) as compiled kernels and odd-width MLPs on
     # aligned GEMMs (models/fusion.py): "auto" = on a CUDA device, "on", "off"
     fused_elementwise: Literal["auto", "on", "off"] = "auto"
@@ -67,52 +71,54 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_file: str = ""  # "" = generate the synthetic task into synthetic_dir
-    eval_file: str = ""
-    synthetic_dir: str = "outputs/synthetic"
+    eval_file: str = ""  # the eval JSONL beside train_file; "" = no evaluation (the synthetic task has its own)
+    synthetic_dir: str = "outputs/synthetic"  # where synthetic tasks are written, each in a folder of its own
     # "shapes": images (data/synthetic.py); "video_counting": mp4 files of moving squares (data/synthetic_video.py)
     synthetic_task: Literal["shapes", "video_counting"] = "shapes"
-    synthetic_train: int = 2000
-    synthetic_eval: int = 200
+    # the synthetic task's own seed: runs of any job.seed train and evaluate on the same task
+    synthetic_seed: int = 0
+    synthetic_train: int = 2000  # prompts in the synthetic task's train split
+    synthetic_eval: int = 200  # prompts in its eval split
     synthetic_size: int = 0  # side in pixels of the task's images or video frames; 0: 112 (images), 56 (video)
     synthetic_frames: int = 0  # frames per synthetic video; 0: 8
     prompts_per_step: int = 8  # each prompt is sampled rollout.n_samples times
     max_prompt_tokens: int = 1024  # image tokens included
-    shuffle: bool = True
+    shuffle: bool = True  # draw train prompts in a new random order every epoch (false: file order)
     eval_prompts: int = 64  # per eval set
     # Users' own data (data/sources.py): globs of JSONL / Parquet / Arrow / CSV / JSON files; win over train_file.
     # Each eval_files entry is one eval set, named after its file stem.
     train_files: list[str] = field(default_factory=list)
-    eval_files: list[str] = field(default_factory=list)
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    image_key: str = "images"
-    video_key: str = "videos"
+    eval_files: list[str] = field(default_factory=list)  # globs of eval files: one eval set per entry
+    prompt_key: str = "prompt"  # the column holding the prompt text (or chat messages)
+    answer_key: str = "answer"  # the column holding the reference answer
+    image_key: str = "images"  # the column holding a row's images (paths, bytes or datasets Images)
+    video_key: str = "videos"  # the column holding a row's videos (files or frame lists)
     prompt_suffix: str = ""  # appended to every prompt, e.g. the answer-format instruction of a public recipe
     # mean@k / pass@k with this many samples per eval prompt at rollout.temperature (0 = greedy accuracy only)
     eval_k: int = 0
     # Video files (data/video.py), qwen-vl-utils' budgets: frames per second sampled, frame count bounds,
     # pixels per frame, and pixels summed over a video's frames (the video-token budget x 28*28*2)
-    video_fps: float = 2.0
-    video_min_frames: int = 4
-    video_max_frames: int = 768
-    video_min_pixels: int = 128 * 28 * 28
-    video_max_pixels: int = 768 * 28 * 28
-    video_total_pixels: int = 90316800  # int(128000 * 28 * 28 * 0.9)
+    video_fps: float = 2.0  # frames sampled per second of video
+    video_min_frames: int = 4  # fewest frames sampled from a video
+    video_max_frames: int = 768  # most frames sampled from a video
+    video_min_pixels: int = 128 * 28 * 28  # fewest pixels of a sampled frame (resized up to it)
+    video_max_pixels: int = 768 * 28 * 28  # most pixels of a sampled frame (resized down to it)
+    video_total_pixels: int = 90316800  # most pixels over all a video's frames: int(128000 * 28 * 28 * 0.9)
 
 
 @dataclass
 class RolloutConfig:
-    backend: Literal["native", "sglang"] = "native"
+    backend: Literal["native", "sglang"] = "native"  # who samples: torchplex's engine, or a colocated SGLang
     n_samples: int = 8  # group size for the group-relative advantage
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 32
-    kv_pool_gib: float = 1.0  # 0 = sized each step from the memory budget (memory.budget_gib): all groups if they fit
+    temperature: float = 1.0  # sampling temperature of rollout (and of the log-probs trained on)
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this probability
+    top_k: int = 0  # sample from the k most likely tokens; 0 = off
+    max_new_tokens: int = 32  # longest response sampled, in tokens
+    kv_pool_gib: float = 1.0  # the rollout KV cache; 0 = sized each step from memory.budget_gib (all groups that fit)
     max_batch: int = 256  # sequences decoded concurrently
     # native backend: once no prompt waits and the live samples fit one per group slot, decode them alone (as groups
-    # of one in the pool's first rows) instead of every slot to the longest response's end. H200, 7B (docs/benchmarks.md,
-    # 2026-12-04): the step -10 % at img P = 32, within the noise at img P = 64 and vid P = 16, so off by default
+    # of one in the pool's first rows) instead of every slot to the longest response's end; off by default, as it paid
+    # in one measured shape only (docs/benchmarks.md)
     compact_decode: bool = False
     # backend "sglang" (rollout/sglang_backend/): a rollout SGLang does not answer within this fails the step
     sglang_timeout_s: float = 600.0
@@ -122,19 +128,21 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    # The named algorithm sets the defaults of the keys in ALGORITHM_DEFAULTS[name] that are not given (file or
-    # command line); a given key always wins. The dataclass defaults below are GRPO's.
+    # The named algorithm sets the algorithm keys that are not given (file or command line) to its published values
+    # (ALGORITHM_DEFAULTS[name]); a given key always wins. The dataclass defaults below are GRPO's.
     name: Literal["grpo", "dapo", "dr_grpo", "gspo"] = "grpo"
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"  # how a sample's reward becomes its advantage
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] ("clip-higher" when they differ)
-    clip_high: float = 0.2
-    kl_coef: float = 0.0  # 0 = no reference model is needed
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    clip_high: float = 0.2  # upper clip of the ratio, 1 + clip_high
+    # KL penalty to the reference, the run's starting policy (after an SFT warm-up, the warmed-up model); 0 = no
+    # reference model is loaded
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # the KL estimator (docs/losses.md)
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                      "seq-mean-token-sum-norm"] = "seq-mean-token-mean"  # docs/losses.md
+                      "seq-mean-token-sum-norm"] = "seq-mean-token-mean"  # token losses to one loss: docs/losses.md
     importance: Literal["token", "sequence"] = "token"  # per-token (GRPO) or per-sequence (GSPO) ratio
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal (zero advantage)
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes of training over each step's samples
     # Sequences per forward/backward in every mode. The decomposed modes keep a prompt's group together when this
     # is a multiple of rollout.n_samples (its prefix runs once); a smaller value cuts each group into pieces of
     # this size (each piece runs the prefix again); any other value leaves micro-batches of whole groups only.
@@ -165,47 +173,48 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class RewardConfig:
+    # the rewards summed into a sample's reward: built-ins (accuracy, format, math, multiple_choice, numeric, iou,
+    # think_format) or your own "module:function" / "path/to/file.py:function" (rl/reward_functions.py)
     functions: list[str] = field(default_factory=lambda: ["accuracy", "format"])
     weights: list[float] = field(default_factory=lambda: [1.0, 0.1])  # one per function
-    # entries may be built-ins (rl/verifiers.py) or "module:function" (rl/reward_functions.py)
     max_failure_fraction: float = 0.1  # stop the run when more of a step's samples than this fail to be scored
     correct: str = "accuracy"  # the reward whose value 1.0 marks an eval answer correct
 
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw", "adamw8bit", "adamw_cpu_offload"] = "adamw"
-    lr: float = 1e-5
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    name: Literal["adamw", "adamw8bit", "adamw_cpu_offload"] = "adamw"  # 8-bit and CPU-offload: torchao's, on GPU
+    lr: float = 1e-5  # learning rate of the GRPO steps
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.999  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's denominator term
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
 
 
 @dataclass
 class LRSchedulerConfig:
-    warmup_steps: int = 0
-    decay: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0  # steps of linear learning-rate warm-up from 0
+    decay: Literal["constant", "linear", "cosine"] = "constant"  # the learning rate after its warm-up, to the end
     min_lr_ratio: float = 0.0  # floor of linear/cosine decay, as a fraction of optimizer.lr
 
 
 @dataclass
 class TrainingConfig:
-    steps: int = 20
+    steps: int = 20  # GRPO steps
     sft_warmup_steps: int = 0  # supervised steps before RL (the debug model starts from random weights)
-    sft_lr: float = 1e-3
-    sft_batch_size: int = 16
+    sft_lr: float = 1e-3  # the warm-up's learning rate (its own AdamW)
+    sft_batch_size: int = 16  # prompts per warm-up step
 
 
 @dataclass
 class CheckpointConfig:
-    enable: bool = False
-    interval: int = 10  # steps
+    enable: bool = False  # save resumable checkpoints (DCP) in the run folder
+    interval: int = 10  # steps between checkpoints (and one at the last step and at a Ctrl-C)
     folder: str = "checkpoints"  # relative to the run folder
     keep_latest_k: int = 2  # 0 = keep all
     resume: bool = True  # load the latest checkpoint in folder when one exists
-    export_hf_at_end: bool = False
+    export_hf_at_end: bool = False  # write the trained weights as a Hugging Face folder, <run folder>/hf_export
     # a checkpoint at the last step too (not only every `interval` steps); false where the HF export is all that is
     # wanted of the end (a 7B checkpoint holds its AdamW state: three times the weights)
     save_last: bool = True
@@ -213,16 +222,18 @@ class CheckpointConfig:
 
 @dataclass
 class MetricsConfig:
-    log_interval: int = 1
-    tensorboard: bool = True
+    log_interval: int = 1  # steps between console lines (metrics.jsonl has every step)
+    tensorboard: bool = True  # TensorBoard event files in <run folder>/tb
     eval_interval: int = 10  # 0 = no evaluation
-    progress_bar: bool = True
+    progress_bar: bool = True  # a progress bar per phase, on a terminal
     wandb: bool = False  # Weights & Biases (pip install 'torchplex[wandb]'); WANDB_MODE=offline works without a login
-    wandb_project: str = "torchplex"
+    wandb_project: str = "torchplex"  # the Weights & Biases project of metrics.wandb
 
 
 @dataclass
 class RuntimeConfig:
+    # serial: every sample a full prompt+response forward; decomposed: the prompt prefix once per prompt, shared by
+    # its samples; overlapped: decomposed, with the actor prefix fused into the rollout prefill
     mode: Literal["serial", "decomposed", "overlapped"] = "serial"
     checkpoint_prefix: bool = False  # decomposed/overlapped: recompute the prefix in backward instead of holding it
     # decomposed: the step's actor prefixes in batched forwards at the start of training, held for the first
@@ -243,13 +254,13 @@ class RuntimeConfig:
 @dataclass
 class ParallelismConfig:
     dp_shard: int = -1  # -1 = every rank left over after tp
-    tp: int = 1
-    rollout_tp: int = 1
+    tp: int = 1  # tensor-parallel degree of training
+    rollout_tp: int = 1  # tensor-parallel degree of rollout; != tp: a rollout model sharing the actor's weights
 
 
 @dataclass
 class MemoryConfig:
-    managed: bool = False
+    managed: bool = False  # plan and keep each stage's residency (weights, KV pool, held prefixes) to a budget
     # what the step may use on its device; 0 = the device's (CUDA: free + this process's cached blocks; CPU: the
     # host's memory). Held prefixes and a budget-sized KV pool get what every resident group leaves (docs/memory.md)
     budget_gib: float = 0.0
@@ -305,6 +316,34 @@ class Config:
 def _sections() -> dict[str, dict[str, Any]]:
     """{section: {key: type annotation}} read from the dataclasses, so they are the only schema."""
     return {f.name: get_type_hints(get_type_hints(Config)[f.name]) for f in fields(Config)}
+
+
+@functools.cache
+def _descriptions() -> dict[str, dict[str, str]]:
+    """{section: {key: description}}: each field's comment in its dataclass (the comment lines right above it, then
+    the one ending its line), so the dataclasses stay the one place a key is described."""
+    return {f.name: _field_comments(get_type_hints(Config)[f.name]) for f in fields(Config)}
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    names = {f.name for f in fields(cls)}
+    out: dict[str, str] = {}
+    above: list[str] = []  # comment lines since the last statement or blank line
+    statement: list[tokenize.TokenInfo] = []  # the tokens of the statement being read, comments aside
+    inline: list[str] = []  # comments on the lines of that statement
+    source = textwrap.dedent(inspect.getsource(cls))
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            (inline if statement else above).append(token.string.lstrip("#").strip())
+        elif token.type == tokenize.NL and not statement and not token.line.strip():
+            above = []  # a blank line ends a comment block
+        elif token.type == tokenize.NEWLINE:
+            if len(statement) > 1 and statement[0].string in names and statement[1].string == ":":
+                out.setdefault(statement[0].string, " ".join(above + inline))
+            above, statement, inline = [], [], []
+        elif token.type not in (tokenize.NL, tokenize.INDENT, tokenize.DEDENT):
+            statement.append(token)
+    return out
 
 
 def _suggest(section: str, key: str | None) -> str:
@@ -457,6 +496,7 @@ _CHECKS = [
 # ZeroDivisionError after the warm-up). Floats must also be finite (checked for every float key below).
 _RANGES = [
     ("job.seed", lambda v: 0 <= v < 2**32, "must be in [0, 2**32) (numpy's seed range)"),
+    ("data.synthetic_seed", lambda v: 0 <= v < 2**32, "must be in [0, 2**32) (numpy's seed range)"),
     ("data.synthetic_train", lambda v: v >= 1, "must be >= 1"),
     ("data.synthetic_eval", lambda v: v >= 0, "must be >= 0"),
     ("data.synthetic_size", lambda v: v == 0 or (v >= 28 and v % 2 == 0), "must be 0 (the task's default) or an "
@@ -589,13 +629,42 @@ def _absolute(value: str | list[str], base: Path) -> str | list[str]:
     return os.path.normpath(path if path.is_absolute() else base / path)
 
 
+# Keys naming reward functions: a "file.py:function" entry is a path (relative as PATH_KEYS are), and a
+# "module:function" entry whose module is not importable is looked for as a file in the same folder.
+REWARD_KEYS = ("reward.functions", "reward.correct")
+
+
 def _resolve_paths(cfg: Config, bases: dict[str, Path]) -> None:
     """Make the path keys that were set absolute (`bases`: key -> folder it is relative to); defaults are left."""
+    from .rl.reward_functions import locate_reward
+
     for key, base in bases.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if key in PATH_KEYS and value:
             setattr(getattr(cfg, section), name, _absolute(value, base))
+        elif key in REWARD_KEYS and value:
+            located = [locate_reward(v, base) for v in value] if isinstance(value, list) else locate_reward(value, base)
+            setattr(getattr(cfg, section), name, located)
+
+
+def check_rewards(cfg: Config, origin: str = "") -> None:
+    """Every reward.functions entry and reward.correct name a function: a built-in, "module:function" or
+    "path/file.py:function" (importing a user's module runs it). Checked with the config, so a misspelled name is
+    one line before any model is loaded."""
+    from .rl.reward_functions import get_reward, is_builtin
+
+    where = f" (config from {origin})" if origin else ""
+    named = [(f"reward.functions[{i}]", n) for i, n in enumerate(cfg.reward.functions)]
+    for key, name in named + [("reward.correct", cfg.reward.correct)]:
+        try:
+            get_reward(name)
+        except Exception as err:  # noqa: BLE001 - whatever a user's module raises on import is theirs to fix
+            reason = err.args[0] if isinstance(err, KeyError) and err.args else f"{type(err).__name__}: {err}"
+            if isinstance(err, ModuleNotFoundError) and not is_builtin(name):
+                reason += ("; a module must be importable or a file module.py in the folder the name is relative "
+                           "to (the command's folder, or the TOML's), or give path/to/file.py:function")
+            raise ConfigError(f"{key} = {name!r}{where}: {reason}") from None
 
 
 def _load(argv: list[str]) -> Config:
@@ -623,6 +692,7 @@ def _load(argv: list[str]) -> Config:
     _apply_algorithm_defaults(cfg, given)
     _resolve_paths(cfg, bases)
     _check_values(cfg, origin if origin == COMMAND_LINE else f"{origin} + {COMMAND_LINE}")
+    check_rewards(cfg, origin if origin == COMMAND_LINE else f"{origin} + {COMMAND_LINE}")
     return cfg
 
 
@@ -634,14 +704,26 @@ NNODES and RDZV_ENDPOINT (several nodes), LOG_RANK (local ranks shown, default 0
 Overrides win over the file. Values shown: {origin}."""
 
 
+HELP_KEY_WIDTH, HELP_TYPE_WIDTH, HELP_WIDTH = 38, 40, 120
+
+
 def format_help(cfg: Config | None = None, origin: str = "built-in defaults") -> str:
-    """Every key with its type and the value this run would use (`cfg`: its config file plus overrides)."""
+    """Every key with its type, the value this run would use (`cfg`: its config file plus overrides) and what it
+    does. A type wider than its column puts the value on the next line, under the values."""
     lines = [HELP_HEAD.format(origin=origin)]
-    values = (cfg or Config()).to_dict()
+    values, descriptions = (cfg or Config()).to_dict(), _descriptions()
+    value_column = 4 + HELP_KEY_WIDTH + 1 + HELP_TYPE_WIDTH + 1
     for section, keys in _sections().items():
         lines.append(f"[{section}]")
-        lines += [f"  --{section + '.' + k:<38} {_type_name(t):<40} {values[section][k]!r}"
-                  for k, t in keys.items()]
+        for key, annotation in keys.items():
+            name, value = f"--{section}.{key}", repr(values[section][key])
+            type_name = _type_name(annotation)
+            if len(type_name) < HELP_TYPE_WIDTH:  # at least two spaces between type and value
+                lines.append(f"  {name:<{HELP_KEY_WIDTH + 2}} {type_name:<{HELP_TYPE_WIDTH}} {value}")
+            else:
+                lines += [f"  {name:<{HELP_KEY_WIDTH + 2}} {type_name}", " " * value_column + value]
+            lines += textwrap.wrap(descriptions[section][key], HELP_WIDTH, initial_indent=" " * 6,
+                                   subsequent_indent=" " * 6)
     return "\n".join(lines)
 
 

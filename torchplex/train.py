@@ -12,7 +12,6 @@ its G samples) or "overlapped" (decomposed, with the actor prefix fused into the
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -25,19 +24,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .components.checkpoint import CheckpointManager
+from .components.checkpoint import CheckpointLoadError, CheckpointManager
 from .components.console import RunSummary, StopRequest, format_eval, optimizer_notice, setup_logging
 from .components.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, StepProgress, format_step_line
 from .components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from .components.plot_metrics import plot_metrics
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, check_rewards, load_config
 from .data.processing import load_processor
 from .data.prompts import EncodedBatch, PromptEncoder
 from .data.records import PromptStream
 from .data.skips import DataError, skip_counts_text
 from .data.sources import BadRecords, ColumnKeys, load_records, set_name
-from .data.synthetic import generate_synthetic_task
-from .data.synthetic_video import generate_video_task
+from .data.synthetic import prepare_task
 from .data.video import VideoBudget
 from .distributed.mesh import build_parallel_dims, destroy_distributed, finish_distributed, init_distributed
 from .models import fusion
@@ -47,7 +45,7 @@ from .models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
 from .models.qwen2_5_vl.tiny_checkpoint import make_tiny_checkpoint
 from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
 from .evaluation import EvalSet, Evaluator
-from .rl.reward_functions import RewardLedger, get_reward, reward_answers
+from .rl.reward_functions import RewardFailureError, RewardLedger, reward_answers
 from .rollout.logprob_mismatch import mismatch_sums
 from .rollout.sampling import SamplingParams, sample_seeds
 from .rollout.sglang_backend.engine import build_sglang_engine, check_sglang_available
@@ -58,11 +56,11 @@ from .runtime.phases import Stage
 from .runtime.experience import all_reduce_sums, kl_to_reference
 from .runtime.rollout_weights import build_rollout_engine
 from .runtime.scoring import ScoreRequest, SerialScorer
-from .run_folder import RunFolderError, check_run_folder, clear_run_folder, may_write_tiny_checkpoint, \
-    missing_checkpoint_error
+from .run_folder import RunFolderError, claim_run_folder, may_write_tiny_checkpoint, missing_checkpoint_error
 
 log = logging.getLogger("torchplex")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+REFERENCE_WEIGHTS = "reference"  # the warmed-up reference's weights, in the checkpoint folder
 
 
 def ensure_tiny_checkpoint(path: Path, flavor: str, seed: int) -> None:
@@ -109,19 +107,8 @@ class Trainer:
         # Refused before anything is written: a typo must not leave a tiny random model (or a run folder) behind.
         missing_ckpt = not (ckpt / "config.json").is_file()
         if missing_ckpt and not (cfg.model.make_tiny_if_missing and may_write_tiny_checkpoint(str(ckpt))):
-            raise FileNotFoundError(missing_checkpoint_error(str(ckpt), cfg.model.make_tiny_if_missing))
-        self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.folder, cfg.checkpoint.interval,
-                                             cfg.checkpoint.keep_latest_k, cfg.checkpoint.enable)
-        resuming = cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpoints.latest_step() is not None
-        run_folder = check_run_folder(self.run_dir, self.checkpoints.folder, cfg.job.overwrite, resuming)
-        self._barrier()  # every rank has looked before rank 0 clears anything
-        if self.rank == 0:
-            if run_folder == "overwrite":
-                removed = clear_run_folder(self.run_dir, self.checkpoints.folder)
-                log.info("%s held an earlier run: replaced (job.overwrite = true; removed %s)", self.run_dir,
-                         ", ".join(removed))
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            cfg.save(self.run_dir / "config.toml")
+            raise FileNotFoundError(missing_checkpoint_error(cfg.model.hf_checkpoint, cfg.model.make_tiny_if_missing))
+        check_rewards(cfg)  # a config built in code is checked as a loaded one is
         self._seed(cfg.job.seed)
 
         if missing_ckpt:
@@ -150,10 +137,18 @@ class Trainer:
                                    local=self._local, mean=self._mean,
                                    sums=lambda values: all_reduce_sums(values, self.device, self.dp_group))
         self.reward_ledger = RewardLedger(cfg.reward.max_failure_fraction)
-        for name in cfg.reward.functions:  # a misspelled name or import path fails now, not after the first rollout
-            get_reward(name)
         self.stream = PromptStream(self.train_records, cfg.data.prompts_per_step, seed=cfg.job.seed,
                                    shuffle=cfg.data.shuffle)
+
+        # The run folder is taken once the checkpoint path, rewards and data have passed their checks: a launch that
+        # fails one leaves an earlier run's folder as it was, and a live run's folder is never touched (run_folder.py)
+        self.checkpoints = CheckpointManager(self.run_dir / cfg.checkpoint.folder, cfg.checkpoint.interval,
+                                             cfg.checkpoint.keep_latest_k, cfg.checkpoint.enable)
+        resuming = cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpoints.latest_step() is not None
+        self.run_lock = claim_run_folder(self.run_dir, self.checkpoints.folder, cfg.job.overwrite, resuming,
+                                         self.rank, self._any_rank)
+        if self.rank == 0:
+            cfg.save(self.run_dir / "config.toml")
 
         dtype = DTYPES[cfg.model.dtype]
         self.actor = build_model(hf_dir=ckpt, device=self.device, dtype=dtype, parallelize=self._parallelize)
@@ -203,6 +198,14 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
 
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank of the job (a collective over every rank)."""
+        if not dist.is_initialized():
+            return flag
+        total = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(total)
+        return bool(total.item())
+
     def _parallelize(self, model):
         m = self.cfg.model
         fusion.enable(fusion.wanted(m.fused_elementwise, self.device))
@@ -230,19 +233,13 @@ class Trainer:
                 for key, path in (("data.train_file", train_path), ("data.eval_file", eval_path)):
                     if path is not None and not path.is_file():
                         raise FileNotFoundError(f"{key} = {str(path)!r}: no such file")
-            else:
-                if d.synthetic_task == "video_counting":
-                    side = d.synthetic_size or 56
-                    generate = functools.partial(generate_video_task, size=(side, side),
-                                                 num_frames=d.synthetic_frames or 8, fps=4)
-                else:
-                    side = d.synthetic_size or 112
-                    generate = functools.partial(generate_synthetic_task, image_size=(side, side))
+            else:  # the task of data.synthetic_seed, in a folder of its own (data/synthetic.py)
+                task = (d.synthetic_dir, d.synthetic_task, d.synthetic_seed, d.synthetic_train, d.synthetic_eval,
+                        d.synthetic_size, d.synthetic_frames)
                 if self.rank == 0:
-                    generate(d.synthetic_dir, d.synthetic_train, d.synthetic_eval, seed=self.cfg.job.seed)
+                    prepare_task(*task)
                 self._barrier()
-                train_path, eval_path = generate(d.synthetic_dir, d.synthetic_train, d.synthetic_eval,
-                                                 seed=self.cfg.job.seed)
+                train_path, eval_path = prepare_task(*task)
             train = self._read(keys, [str(train_path)], "train")
             evals = [EvalSet("eval", self._read(keys, [str(eval_path)], "eval"), legacy=True)] if eval_path else []
         self.bad_records.summary()
@@ -307,8 +304,7 @@ class Trainer:
         progress = StepProgress(t.sft_warmup_steps, rank=self.rank, enable=self.cfg.metrics.progress_bar,
                                 desc="warmup")
         for step in range(1, t.sft_warmup_steps + 1):
-            if self.stop.requested:
-                log.info("warm-up stopped at step %d/%d", step - 1, t.sft_warmup_steps)
+            if self.stop.requested:  # the loop's end says so (_stopped_line)
                 break
             batch = self.encoder.encode_batch(self._local(stream.next_batch()), phase="warmup")
             if self._fewest(len(batch.prompts)) == 0:  # every rank skips the step, or none (collectives)
@@ -329,10 +325,25 @@ class Trainer:
             reshard(self.actor)
             optimizer.step()
             progress.update(step, {"sft/loss": loss.item()})
+            self.summary.warmup_done = step
             if step % 50 == 0 or step == t.sft_warmup_steps:
                 progress.write(f"warm-up step {step}/{t.sft_warmup_steps} | loss {loss.item():.4f}")
         progress.close()
         del optimizer
+        if self.reference is not None and not self.stop.requested:
+            self._start_reference_at_actor()
+
+    @torch.no_grad()
+    def _start_reference_at_actor(self) -> None:
+        """The reference of an RL run is its starting policy: after a warm-up, the warmed-up actor (not the checkpoint
+        the warm-up started from, which put the KL term far from 0 at the first GRPO step). Saved with the
+        checkpoints, so that a resumed run keeps it."""
+        actor = dict(self.actor.named_parameters())
+        for name, param in self.reference.named_parameters():
+            if param is not actor[name]:  # a frozen vision tower is one module of both models
+                param.copy_(actor[name])
+        if self.cfg.checkpoint.enable:
+            self.checkpoints.save_weights(REFERENCE_WEIGHTS, self.reference)
 
     # ---- evaluation ------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -528,6 +539,8 @@ class Trainer:
         if self.rank == 0:
             for line in self.summary.lines():
                 log.info(line)
+        if self.run_lock is not None:
+            self.run_lock.release()
         return last_eval
 
     def _resume(self) -> None:
@@ -538,6 +551,10 @@ class Trainer:
         self.skipped_samples = extra.get("skipped_samples", 0)
         self.unequal_share_dropped = extra.get("unequal_share_dropped", 0)
         self.encoder.skips.load_state_dict(extra.get("skips", {}))
+        if self.reference is not None and self.cfg.training.sft_warmup_steps > 0:  # the warmed-up policy
+            if not self.checkpoints.load_weights(REFERENCE_WEIGHTS, self.reference):
+                log.warning("no %s in %s: the reference model is model.hf_checkpoint, not the warmed-up policy",
+                            REFERENCE_WEIGHTS, self.checkpoints.folder)
         dropped = self.metrics.drop_after(self.step)  # logged after the checkpoint: they are logged again
         self.summary.resumed_from = self.step
         log.info("resumed from step %d (%s)%s", self.step, self.checkpoints.step_dir(self.step),
@@ -576,7 +593,8 @@ class Trainer:
             self.step += 1
             metrics, finite = self.train_step()
             last = self.step == cfg.training.steps
-            if evaluating and (self.step % cfg.metrics.eval_interval == 0 or last):
+            evaluated = evaluating and (self.step % cfg.metrics.eval_interval == 0 or last)
+            if evaluated:
                 last_eval = self.evaluate()
                 self.summary.add_eval(self.step, last_eval)
                 metrics.update(last_eval)
@@ -584,7 +602,7 @@ class Trainer:
             progress.update(self.step, metrics)
             if self.step % cfg.metrics.log_interval == 0:
                 progress.write(format_step_line(self.step, cfg.training.steps, metrics))
-            if evaluating and "eval/prompts" in metrics:
+            if evaluated:  # every eval set's line (named sets log eval/<set>/..., not eval/prompts)
                 progress.write(format_eval(self.step, last_eval))
             stopping = self.stop.requested and not last
             at_end = last and cfg.checkpoint.save_last
@@ -592,10 +610,21 @@ class Trainer:
                 self._save()
         progress.close()
         if self.stop.requested and self.rank == 0:
-            log.info("stopped at step %d on request; %s", self.step,
-                     f"the same command resumes from {self.summary.checkpoint}" if self.summary.checkpoint else
-                     "checkpoints are off (checkpoint.enable = false): nothing to resume from")
+            log.info(self._stopped_line())
         return last_eval
+
+    def _stopped_line(self) -> str:
+        """What a stop on request (Ctrl-C) leaves to resume from."""
+        warmup = self.cfg.training.sft_warmup_steps
+        if not self.summary.resumed_from and self.step == 0 and self.summary.warmup_done < warmup:
+            return (f"stopped during the warm-up at step {self.summary.warmup_done}/{warmup} on request; the warm-up "
+                    f"is not checkpointed: the same command starts it over")
+        if self.summary.checkpoint is not None:
+            return f"stopped at step {self.step} on request; the same command resumes from {self.summary.checkpoint}"
+        if not self.cfg.checkpoint.enable:
+            return (f"stopped at step {self.step} on request; checkpoints are off (checkpoint.enable = false): "
+                    f"nothing to resume from")
+        return f"stopped at step {self.step} on request; no checkpoint was saved: the same command starts over"
 
     def _plot(self) -> Path | None:
         try:
@@ -610,7 +639,7 @@ class Trainer:
 ALLOCATOR_SETTINGS = "expandable_segments:True"
 
 # Errors a user fixes by changing the config, the command or the data: shown as their message alone (exit 2)
-USER_ERRORS = (ConfigError, RunFolderError, DataError, FileNotFoundError)
+USER_ERRORS = (ConfigError, RunFolderError, DataError, FileNotFoundError, RewardFailureError, CheckpointLoadError)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -621,8 +650,12 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(argv)
         if cfg.rollout.backend == "native":  # before CUDA is initialised; SGLang's memory saver refuses them
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_SETTINGS)
-        Trainer(cfg).train()
-        finish_distributed()
+        trainer = Trainer(cfg)
+        trainer.train()
+        status = 130 if trainer.stop.requested else 0  # stopped by Ctrl-C: the status shells and schedulers expect
+        finish_distributed(status)
+        if status:
+            raise SystemExit(status)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

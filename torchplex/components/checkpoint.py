@@ -92,8 +92,33 @@ def _resync_offloading_optimizer(optimizer: torch.optim.Optimizer) -> None:
         optimizer.d_param_groups = device_optimizer.param_groups
 
 
+def _interrupted(err: BaseException) -> bool:
+    """Whether `err` is a Ctrl-C: a KeyboardInterrupt, or DCP's CheckpointException holding one (DCP catches what
+    each rank raises during a save or load, a Ctrl-C included, and raises them together)."""
+    if isinstance(err, KeyboardInterrupt):
+        return True
+    failures = getattr(err, "failures", None)
+    return isinstance(failures, Mapping) and any(isinstance(failure[0], KeyboardInterrupt)
+                                                 for failure in failures.values())
+
+
+@contextlib.contextmanager
+def _written_whole(tmp_dir: Path, rank: int):
+    """Around the writing of `tmp_dir`: when anything stops it (a second Ctrl-C included), the partial folder goes,
+    and a Ctrl-C that DCP wrapped comes out as the KeyboardInterrupt it was (the trainer then exits 130)."""
+    try:
+        yield
+    except BaseException as err:
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        if _interrupted(err) and not isinstance(err, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        raise
+
+
 class CheckpointLoadError(RuntimeError):
-    """No checkpoint of a folder could be loaded; the message lists each one's folder and reason."""
+    """No checkpoint of a folder could be loaded; the message (one line) gives each one's folder and reason, and how
+    to start over."""
 
 
 def _first_line(err: BaseException) -> str:
@@ -234,35 +259,77 @@ class CheckpointManager:
             tmp_dir.mkdir()
         _barrier()
 
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
-        if optimizer is not None and _dcp_handles(optimizer):
-            state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-        with _quiet_single_process_dcp():
-            dcp.save(state, checkpoint_id=str(tmp_dir), no_dist=not _distributed())
+        with _written_whole(tmp_dir, rank):
+            state: dict[str, Any] = {"model": get_model_state_dict(model)}
+            if optimizer is not None and _dcp_handles(optimizer):
+                state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+            with _quiet_single_process_dcp():
+                dcp.save(state, checkpoint_id=str(tmp_dir), no_dist=not _distributed())
 
-        train_state = {
-            "step": int(step),
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "extra": extra,
-            "rng": capture_rng_state(),
-            "optimizer": None if optimizer is None or _dcp_handles(optimizer) else optimizer.state_dict(),
-        }
-        torch.save(train_state, tmp_dir / _train_state_filename(rank))
-
-        _barrier()  # every rank's shards and train state are on disk
+            train_state = {
+                "step": int(step),
+                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                "extra": extra,
+                "rng": capture_rng_state(),
+                "optimizer": None if optimizer is None or _dcp_handles(optimizer) else optimizer.state_dict(),
+            }
+            torch.save(train_state, tmp_dir / _train_state_filename(rank))
+            _barrier()  # every rank's shards and train state are on disk
         if rank == 0:
-            if final_dir.exists():
-                shutil.rmtree(final_dir)
-            tmp_dir.rename(final_dir)
+            self._put_in_place(tmp_dir, final_dir)
             self._prune()
         _barrier()  # nobody reads `folder` before the rename and pruning are done
         return final_dir
+
+    def _put_in_place(self, tmp_dir: Path, final_dir: Path) -> None:
+        """Rename the finished `tmp_dir` to `final_dir`; a folder already there is first moved aside under a
+        temporary name, so that an interruption leaves no half-deleted checkpoint (temporary folders are never
+        loaded, and the next save removes them)."""
+        if final_dir.exists():
+            aside = self.folder / f"{_TMP_PREFIX}replaced-{final_dir.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            final_dir.rename(aside)
+            shutil.rmtree(aside)
+        tmp_dir.rename(final_dir)
 
     def _prune(self) -> None:
         if self.keep_latest_k <= 0:
             return
         for old_step in self.saved_steps()[: -self.keep_latest_k]:
-            shutil.rmtree(self.step_dir(old_step), ignore_errors=True)
+            aside = self.folder / f"{_TMP_PREFIX}pruned-{old_step}"  # out of saved_steps() before it is deleted
+            self.step_dir(old_step).rename(aside)
+            shutil.rmtree(aside, ignore_errors=True)
+
+    def save_weights(self, name: str, model: torch.nn.Module) -> Path:
+        """`model`'s weights alone in `folder/name` (DCP, resharded on load like a step's checkpoint), written under
+        a temporary name and renamed when complete; outside the steps' pruning. Collective, like `save`."""
+        rank = _rank()
+        tmp_dir, final_dir = self.folder / f"{_TMP_PREFIX}{name}", self.folder / name
+        if rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            tmp_dir.mkdir()
+        _barrier()
+        with _written_whole(tmp_dir, rank):
+            with _quiet_single_process_dcp():
+                dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp_dir),
+                         no_dist=not _distributed())
+            _barrier()
+        if rank == 0:
+            self._put_in_place(tmp_dir, final_dir)
+        _barrier()
+        return final_dir
+
+    def load_weights(self, name: str, model: torch.nn.Module) -> bool:
+        """Load `folder/name` (written by `save_weights`) into `model`; False when there is none."""
+        path = self.folder / name
+        if not (path / _DCP_METADATA).is_file():
+            return False
+        state = {"model": get_model_state_dict(model)}
+        with _quiet_single_process_dcp():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+        set_model_state_dict(model, state["model"])
+        return True
 
     # ---- load ------------------------------------------------------------------------------------
 
@@ -341,8 +408,10 @@ class CheckpointManager:
                 raise
             except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
                 failed.append((step, f"{self.step_dir(step)}: {type(err).__name__}: {_first_line(err)}"))
-        raise CheckpointLoadError("no checkpoint in {} loads:\n{}".format(
-            self.folder, "\n".join(f"  step {step}: {reason}" for step, reason in failed)))
+        reasons = "; ".join(f"step {step}: {reason}" for step, reason in failed)
+        raise CheckpointLoadError(f"no checkpoint in {self.folder} loads ({reasons}); to start over, move "
+                                  f"{self.folder} aside, or pass --checkpoint.resume=false --job.overwrite=true "
+                                  f"(which deletes it)")
 
     @staticmethod
     def save_model_only(
@@ -364,7 +433,7 @@ def save_model_only(
     native state dict before writing, e.g. a state-dict adapter to Hugging Face names.
     Peak host memory is one full copy of the model on rank 0.
     """
-    from safetensors.torch import save_file
+    from torchplex.models.qwen2_5_vl.weights import save_safetensors  # the usual file mode, not safetensors' 0600
 
     path = Path(path)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -382,7 +451,7 @@ def save_model_only(
             seen.add(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp_path = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp_path))
+        save_safetensors(tensors, tmp_path)
         tmp_path.replace(path)
     _barrier()
     return path

@@ -91,6 +91,7 @@ class RunSummary:
     run_dir: Path
     total_steps: int
     warmup_steps: int = 0
+    warmup_done: int = 0  # warm-up steps run (fewer than warmup_steps when stopped during the warm-up)
     steps_done: int = 0
     resumed_from: int | None = None
     evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
@@ -109,14 +110,19 @@ class RunSummary:
         minutes, seconds = divmod(int(round(self.seconds)), 60)
         head = "stopped" if self.stopped_early else "done"
         started = f", resumed from step {self.resumed_from}" if self.resumed_from else ""
-        warmup = f" after {self.warmup_steps} warm-up steps" if self.warmup_steps and not self.resumed_from else ""
+        warmup = ""
+        if self.warmup_steps and not self.resumed_from:
+            done = self.warmup_done if self.stopped_early and self.steps_done == 0 else self.warmup_steps
+            warmup = f" after {self.warmup_steps} warm-up steps" if done == self.warmup_steps else \
+                f" after {done}/{self.warmup_steps} warm-up steps (the warm-up is not checkpointed)"
         out = [f"{head}: {self.steps_done}/{self.total_steps} GRPO steps{warmup}{started} in {minutes}m{seconds:02d}s"]
-        accuracy = [(s, m) for s, m in self.evals if "eval/accuracy" in m]
-        if accuracy:
+        for name, prefix in _eval_sets(self.evals):
+            key = prefix + "accuracy"
+            accuracy = [(s, m) for s, m in self.evals if key in m]
             last_step, last = accuracy[-1]
-            best_step, best = max(accuracy, key=lambda sm: sm[1]["eval/accuracy"])
-            out.append(f"  eval accuracy: last {last['eval/accuracy']:.3f} (step {last_step}{_scored(last)}), "
-                       f"best {best['eval/accuracy']:.3f} (step {best_step})")
+            best_step, best = max(accuracy, key=lambda sm: sm[1][key])
+            out.append(f"  eval accuracy{f' ({name})' if name else ''}: last {last[key]:.3f} "
+                       f"(step {last_step}{_scored(last, prefix)}), best {best[key]:.3f} (step {best_step})")
         skipped = {k.removeprefix("skipped/"): int(v) for k, v in self.skipped.items() if v}
         out.append("  skipped samples: " + (", ".join(f"{k} {v}" for k, v in sorted(skipped.items())) or "none"))
         out.append(f"  run folder: {self.run_dir} (metrics.jsonl, config.toml"
@@ -130,10 +136,23 @@ class RunSummary:
         return out
 
 
-def _scored(metrics: Mapping[str, float]) -> str:
-    if "eval/prompts" not in metrics:
+def _eval_sets(evals: list[tuple[int, dict[str, float]]]) -> list[tuple[str, str]]:
+    """(set name, metric prefix) of every eval set with an accuracy, in the order first logged: ("", "eval/") for
+    the single unnamed set (eval/accuracy), ("geo", "eval/geo/") for a named one (eval/geo/accuracy)."""
+    sets: dict[str, str] = {}
+    for _, metrics in evals:
+        for key in metrics:
+            if key.startswith("eval/") and key.endswith("/accuracy"):
+                prefix = key.removesuffix("accuracy")
+                sets.setdefault(prefix, prefix.removeprefix("eval/").rstrip("/"))
+    return [(name, prefix) for prefix, name in sets.items()]
+
+
+def _scored(metrics: Mapping[str, float], prefix: str = "eval/") -> str:
+    if prefix + "prompts" not in metrics:
         return ""
-    scored, asked = int(metrics["eval/prompts"]), int(metrics["eval/prompts"] + metrics.get("eval/skipped", 0))
+    scored = int(metrics[prefix + "prompts"])
+    asked = int(metrics[prefix + "prompts"] + metrics.get(prefix + "skipped", 0))
     return f", {scored}/{asked} prompts"
 
 

@@ -24,6 +24,7 @@ does not end a run.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .records import PromptRecord, read_records_report
+from .skips import DataError
 
 log = logging.getLogger(__name__)
 
@@ -202,15 +204,65 @@ def _no_image_decoding(ds):
     return ds
 
 
+@contextlib.contextmanager
+def _quiet_datasets():
+    """`datasets` without its "Generating train split" bars and its own error log lines (a file it cannot read is
+    reported once, by `_open_dataset`'s DataError)."""
+    from datasets.utils import logging as datasets_logging
+
+    bars, verbosity = datasets_logging.is_progress_bar_enabled(), datasets_logging.get_verbosity()
+    datasets_logging.disable_progress_bar()
+    datasets_logging.set_verbosity(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets_logging.set_verbosity(verbosity)
+        if bars:
+            datasets_logging.enable_progress_bar()
+
+
+def _holds_no_rows(path: Path) -> bool:
+    """An empty file, or a Parquet file of zero rows: no records, as an empty JSONL (`datasets` refuses both)."""
+    if path.stat().st_size == 0:
+        return True
+    if path.suffix.lower() != ".parquet":
+        return False
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    except Exception:  # noqa: BLE001 - not readable as Parquet: load_dataset's error names the problem
+        return False
+
+
 def _open_dataset(path: Path):
+    """The file as a `datasets.Dataset` (images left undecoded), or None when it holds no rows."""
     from datasets import load_dataset
 
     builder = _DATASETS_BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise ValueError(f"{path}: unknown data file type {path.suffix!r}; use one of {sorted(_DATASETS_BUILDERS)}")
+    if _holds_no_rows(path):
+        return None
     kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
-    ds = load_dataset(builder, data_files=str(path), split="train", **kwargs)
-    return _no_image_decoding(ds)
+    with _quiet_datasets():
+        try:
+            ds = load_dataset(builder, data_files=str(path), split="train", **kwargs)
+        except Exception as err:  # noqa: BLE001 - datasets wraps the cause; the user needs the file and the cause
+            cause = err.__cause__ or err
+            raise DataError(f"{path}: cannot be read as {builder} ({type(cause).__name__}: "
+                            f"{str(cause).strip().splitlines()[0] if str(cause).strip() else ''})") from None
+        return _no_image_decoding(ds)
+
+
+def check_columns(path: Path, columns: Iterable[str], keys: ColumnKeys) -> None:
+    """A prompt or answer column that no row of the file has is a wrong key, not a file of bad rows: one error
+    naming the key and the columns the file has (instead of a "skipping bad record" line per row)."""
+    columns = set(columns)
+    for key, name in (("data.prompt_key", keys.prompt), ("data.answer_key", keys.answer)):
+        if name not in columns:
+            raise DataError(f"{path} has no column {name!r} ({key} = {name!r}); its columns: "
+                            f"{', '.join(sorted(columns)) or 'none'}")
 
 
 def _jsonl_rows(path: Path, bad: BadRecords) -> Iterable[tuple[int, dict[str, Any]]]:
@@ -230,9 +282,19 @@ def _jsonl_rows(path: Path, bad: BadRecords) -> Iterable[tuple[int, dict[str, An
                 bad.skip(str(path), f"line {line_no}", f"expected a JSON object, got {type(row).__name__}")
 
 
+def _jsonl_columns(path: Path) -> set[str]:
+    """Every key of any object line of a JSONL file."""
+    columns: set[str] = set()
+    for _, row in _jsonl_rows(path, BadRecords()):
+        columns.update(row)
+    return columns
+
+
 def read_file(path: Path, keys: ColumnKeys, bad: BadRecords) -> list[PromptRecord]:
     if path.suffix.lower() == ".jsonl" and keys.is_default:
         report = read_records_report(path, on_error="skip")
+        if report.skipped and not report.records and (columns := _jsonl_columns(path)):
+            check_columns(path, columns, keys)  # every line bad: first, is it the file's column names?
         for skipped in report.skipped:
             bad.skip(str(path), f"line {skipped.line_no}", skipped.reason)
         records = []
@@ -245,10 +307,15 @@ def read_file(path: Path, keys: ColumnKeys, bad: BadRecords) -> list[PromptRecor
     folder = path.resolve().parent
     records = []
     if path.suffix.lower() == ".jsonl":
-        rows, dataset = _jsonl_rows(path, bad), None
+        rows, dataset = list(_jsonl_rows(path, bad)), None
+        columns = {key for _, row in rows for key in row}
     else:
         dataset = _open_dataset(path)
-        rows = enumerate(dataset)
+        if dataset is None:
+            return []
+        rows, columns = enumerate(dataset), dataset.column_names
+    if columns:
+        check_columns(path, columns, keys)
     for index, row in rows:
         default_id = f"{path.stem}:{index}"
         try:

@@ -27,14 +27,23 @@ The defaults are chosen so that the tiny random "debug" model learns the task on
 ``generate_synthetic_task`` writes ``images/*.png``, ``train.jsonl``, ``eval.jsonl`` and a
 ``manifest.json`` describing the parameters; called again with the same parameters it returns at
 once, with different ones it regenerates.
+
+The trainer's task (``prepare_task``) is generated once into a folder of its own under
+``data.synthetic_dir``, named after the task, its generator version, ``data.synthetic_seed`` and its
+sizes: runs of any ``job.seed`` train and evaluate on the same task (their eval numbers compare),
+and a run never rewrites the files another run is reading.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
-from collections.abc import Sequence
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -391,3 +400,51 @@ def generate_synthetic_task(
     _write_jsonl(eval_path, eval_records)
     manifest_path.write_text(json.dumps(params.to_json(), indent=2) + "\n")
     return train_path, eval_path
+
+
+# The trainer's synthetic tasks (data.synthetic_task) by default: image side of the shapes task; side, frames and
+# rate of the video task's mp4 files
+SHAPES_IMAGE_SIZE = (112, 112)
+VIDEO_SIZE, VIDEO_FRAMES, VIDEO_FPS = (56, 56), 8, 4
+
+
+def write_once(folder: Path, write: Callable[[Path], object]) -> Path:
+    """`folder` written whole or not at all: `write(tmp)` fills a temporary sibling that one rename puts in place,
+    so a reader never sees a folder half written; a folder already in place is reused, never rewritten (runs may be
+    reading it). When two processes race, the first rename wins and the other's copy is dropped."""
+    manifest = folder / "manifest.json"
+    if manifest.is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not manifest.is_file():  # not a finished task folder: not ours to replace
+                raise RuntimeError(f"{folder} exists but holds no finished synthetic task (no manifest.json); "
+                                   f"remove it to have it generated again") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def prepare_task(root: str | Path, task: str, seed: int, num_train: int, num_eval: int, size: int = 0,
+                 frames: int = 0) -> tuple[Path, Path]:
+    """The trainer's synthetic task `task` ("shapes" or "video_counting") under `root`, generated when absent;
+    returns its (train.jsonl, eval.jsonl). `size`: side of the images or frames, `frames`: per video (0: the
+    task's default, data.synthetic_size / synthetic_frames)."""
+    if task == "video_counting":
+        from .synthetic_video import VERSION, generate_video_task
+
+        side, frames = size or VIDEO_SIZE[0], frames or VIDEO_FRAMES
+        name, shape = f"video_counting-v{VERSION}", f"{side}x{side}px-{frames}frames"
+        generate = functools.partial(generate_video_task, size=(side, side), num_frames=frames, fps=VIDEO_FPS)
+    else:
+        side = size or SHAPES_IMAGE_SIZE[0]
+        name, shape = f"shapes-v{GENERATOR_VERSION}", f"{side}x{side}px"
+        generate = functools.partial(generate_synthetic_task, image_size=(side, side))
+    folder = Path(root) / f"{name}-seed{seed}-{num_train}train-{num_eval}eval-{shape}"
+    write_once(folder, lambda tmp: generate(tmp, num_train, num_eval, seed=seed))
+    return folder / "train.jsonl", folder / "eval.jsonl"

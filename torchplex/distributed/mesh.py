@@ -55,9 +55,9 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def finish_distributed() -> None:
-    """End a job that finished well: destroy its process group and, on gloo, leave without the interpreter's
-    finalisation (exit status 0).
+def finish_distributed(status: int = 0) -> None:
+    """End a job that finished well (or stopped on request: `status` 130): destroy its process group and, on gloo,
+    leave without the interpreter's finalisation (exit status `status`).
 
     After a two-process CPU run had finished, written its results and destroyed its group, gloo's C++ threads
     still aborted rank 0 during finalisation once in CI ("terminate called without an active exception", torch
@@ -71,7 +71,7 @@ def finish_distributed() -> None:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(status)
 
 
 @dataclass

@@ -25,6 +25,7 @@ import importlib.util
 import inspect
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,9 +47,11 @@ class RewardLedger:
     max_failure_fraction: float = 0.0
     failures: int = 0
     by_function: dict[str, int] = field(default_factory=dict)
+    first_error: dict[str, str] = field(default_factory=dict)  # per function: its first failure, record and error
 
     def record(self, name: str, record_id: str, err: BaseException) -> None:
         if not self.by_function.get(name):
+            self.first_error[name] = f"record {record_id}: {type(err).__name__}: {err}"
             log.warning("reward %r failed on record %s: %s: %s (sample reward 0; later failures are counted in "
                         "reward/failures)", name, record_id, type(err).__name__, err)
         else:
@@ -95,6 +98,31 @@ def _import(path: str) -> Callable:
     if not callable(fn):
         raise ValueError(f"reward {path!r} is not callable")
     return fn
+
+
+def is_builtin(name: str) -> bool:
+    return name in rewards.REWARD_FUNCTIONS or name in verifiers.VERIFIERS
+
+
+def locate_reward(name: str, base: Path) -> str:
+    """`name` in a form that resolves from any working folder, `base` being the folder a relative name means (the
+    TOML's folder, or the one the command was run from). "path/file.py:f" gets an absolute path; "module:f" stays
+    as it is when `module` is importable, else becomes the file base/module.py (base/pkg/module.py for
+    "pkg.module:f") where that exists: run_train.sh runs from the repo root, where the caller's module is not on
+    the import path. Built-in names and names that locate nowhere are returned unchanged (the check reports them)."""
+    module, colon, attr = name.rpartition(":")
+    if is_builtin(name) or not colon or not module:
+        return name
+    if module.endswith(".py"):
+        path = Path(module).expanduser()
+        return f"{os.path.normpath(path if path.is_absolute() else base / path)}:{attr}"
+    try:
+        if importlib.util.find_spec(module.split(".")[0]) is not None:
+            return name
+    except (ImportError, ValueError):
+        return name
+    candidate = base.joinpath(*module.split(".")).with_suffix(".py")
+    return f"{candidate}:{attr}" if candidate.is_file() else name
 
 
 def _per_sample(fn: Callable[[str, str], float]) -> BatchRewardFn:
@@ -178,8 +206,9 @@ def score_rewards(responses: Sequence[str], answers: Sequence[str], names: Seque
         per_fn[name], bad = score_one(name, fn, prompts, responses, answers, records, ledger)
         failed |= bad
     if responses and len(failed) / len(responses) > ledger.max_failure_fraction:
+        first = "; ".join(f"{name!r} first failed on {where}" for name, where in ledger.first_error.items())
         raise RewardFailureError(f"reward functions failed on {len(failed)} of {len(responses)} samples, over "
                                  f"reward.max_failure_fraction={ledger.max_failure_fraction} (failures so far: "
-                                 f"{ledger.by_function}); see the warnings above for the first record of each")
+                                 f"{ledger.by_function}; {first})")
     total = [sum(w * per_fn[n][i] for n, w in zip(names, weights)) for i in range(len(responses))]
     return total, per_fn

@@ -319,6 +319,26 @@ def nbytes(t: torch.Tensor) -> int:
     return math.prod(t.shape) * t.element_size()
 
 
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
+                     metadata: dict[str, str] | None = None) -> None:
+    """safetensors' `save_file`, the file then given the mode any new file gets (0666 less the umask): safetensors
+    writes through a private temporary file, which left exported weights readable by their owner only (0600)."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (os.umask can only set it, and setting it
+    for a moment would race with files other threads create)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return umask
+
+
 def save_hf_weights(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], out_dir: str | os.PathLike,
                     layout: Layout = "legacy", max_shard_bytes: int | None = None,
                     adapter: Qwen2_5_VLStateDictAdapter | None = None) -> dict[str, str]:
@@ -353,7 +373,7 @@ def save_hf_weights(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
                 tensors[key] = t.to("cpu").contiguous()
             weight_map[key] = name
         if writer:
-            save_file(tensors, out / name, metadata={"format": "pt"})
+            save_safetensors(tensors, out / name, metadata={"format": "pt"})
         del tensors
     if writer:
         finish_hf_weights(out, weight_map, sum(nbytes(t) for t in hf.values()))
