@@ -5,8 +5,6 @@ fit fails before it runs, naming the config keys."""
 import dataclasses
 import gc
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +20,8 @@ from torchplex.runtime.memory_estimate import StepFootprint
 from torchplex.runtime.prefixes import HELD_BATCH_TOKENS, fused_prefill
 from torchplex.runtime.plan import PlanOptions, StepShape, plan_step
 
+from live_bytes import LiveBytes
 from step_runners import ScriptedWindows, cpu_runner
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from train_memory_probe import LiveBytes  # noqa: E402
 
 RTOL = 1e-5
 SHAPE = StepShape(prompt_lengths=(100, 60, 100), group_size=4, max_new_tokens=8, kv_bytes_per_token=1000,

@@ -1,5 +1,5 @@
-"""The train phase's activation estimate (`benchmarks/memory_plan.train_activation_bytes`) against a CPU count of
-live tensor bytes (`benchmarks/train_memory_probe.LiveBytes`) over the real `train_phase` with decomposed scoring
+"""The train phase's activation estimate (`train_activation_estimate.train_activation_bytes`) against a CPU count of
+live tensor bytes (`live_bytes.LiveBytes`) over the real `train_phase` with decomposed scoring
 and activation checkpointing, at two small geometries where different terms dominate:
 
 - weight-heavy (wide layers, small vocab): with the runtime's split backward (suffixes, then prefix) the LM head's
@@ -14,16 +14,11 @@ Tolerance: the estimate is within 10 % of the measured peak (it is a sum of name
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import memory_plan  # noqa: E402
-import train_memory_probe as probe  # noqa: E402
+import live_bytes as probe
+import train_activation_estimate as estimate
 
 
 WEIGHT_HEAVY_SIZES = dict(prompts=2, group=4, prompt_tokens=64, response=16, micro_batch=4)
@@ -54,17 +49,17 @@ def test_live_bytes_counts_new_storages_once():
 def test_train_activation_estimate_matches_measured_peak(case):
     args, kw, split, dominant = CASES[case]
     got = probe.measure(args, **kw, split_prefix_backward=split)
-    est = memory_plan.train_activation_bytes(args, prompt_tokens=got["prompt_tokens"], group=kw["group"],
-                                             response=kw["response"], micro_batch=kw["micro_batch"],
-                                             checkpointing=True, vision_trainable=True,
-                                             pending_suffix_grads=not split)
+    est = estimate.train_activation_bytes(args, prompt_tokens=got["prompt_tokens"], group=kw["group"],
+                                          response=kw["response"], micro_batch=kw["micro_batch"],
+                                          checkpointing=True, vision_trainable=True,
+                                          pending_suffix_grads=not split)
     terms = {k: v for k, v in est.items() if k in ("entropy", "lm_head", "backward")}
     assert max(terms, key=terms.get) == dominant
     assert est["total"] == pytest.approx(got["activation_bytes"], rel=0.10), (est, got)
 
 
 def test_7b_estimate_matches_h200_measurement():
-    """The H200 run (2026-11-29, memory_bench 7B defaults, the runtime before the split backward): 127.46 GiB
+    """The H200 run (2026-11-29, the 7B memory benchmark's defaults, the runtime before the split backward): 127.46 GiB
     allocated in train, of which 112.78 GiB were the plan's resident groups (actor 15.45, master 30.89, grads 15.45,
     28 prefetched state chunks 50.99), so the phase itself held 14.68 GiB at its peak; the old estimate said 2.82.
     With the split the pending copy of the shared weights' gradients is gone: 15.04 -> 5.03 GiB, the LM head's
@@ -74,11 +69,11 @@ def test_7b_estimate_matches_h200_measurement():
     args = get_flavor("7B")
     sizes = dict(prompt_tokens=1024, group=8, response=256, micro_batch=8, checkpointing=True,
                  vision_trainable=True, image_tokens=961)
-    before = memory_plan.train_activation_bytes(args, **sizes, pending_suffix_grads=True)
+    before = estimate.train_activation_bytes(args, **sizes, pending_suffix_grads=True)
     assert before["total"] / 2**30 == pytest.approx(14.68, rel=0.05)
-    after = memory_plan.train_activation_bytes(args, **sizes)
+    after = estimate.train_activation_bytes(args, **sizes)
     t = args.text
-    pending = memory_plan.decoder_param_bytes(t) + 2 * t.vocab_size * t.hidden_size  # 12.15 + 1.02 GiB
+    pending = estimate.decoder_param_bytes(t) + 2 * t.vocab_size * t.hidden_size  # 12.15 + 1.02 GiB
     assert before["backward"] - after["backward"] == pending + 2 * t.hidden_size * t.intermediate_size
     assert after["total"] == after["held"] + after["lm_head"]
     assert before["total"] - after["total"] > 9.5 * 2**30

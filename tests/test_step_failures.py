@@ -1,4 +1,4 @@
-"""A step that fails surfaces its own error, not one of the executor's clean-up."""
+"""A step that fails surfaces its own error, not one of the step's clean-up."""
 
 from __future__ import annotations
 

@@ -4,28 +4,23 @@ into .grad at once instead of waiting in autograd's input buffer for the prefix 
 holds an extra bf16 copy of every shared weight's gradient (decoder layers + token embeddings, 13.2 GiB at 7B).
 
 The numbers are unchanged (tests/test_decomposition.py, test_overlap.py hold them to the serial step); here: the
-memory (a CPU count of live tensor bytes over the real train phase, benchmarks/train_memory_probe.py) and the
+memory (a CPU count of live tensor bytes over the real train phase, tests/live_bytes.py) and the
 order of the two parts, for a prefix computed in the scorer and for one held from the fused rollout prefill.
 """
 
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import memory_plan  # noqa: E402
-import train_memory_probe as probe  # noqa: E402
-
-from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing  # noqa: E402
-from torchplex.runtime.decomposition import DecomposedScorer  # noqa: E402
-from torchplex.runtime.prefixes import fused_prefill  # noqa: E402
-from torchplex.runtime.scoring import ScoreRequest  # noqa: E402
+import live_bytes as probe
+import train_activation_estimate as estimate
+from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing
+from torchplex.runtime.decomposition import DecomposedScorer
+from torchplex.runtime.prefixes import fused_prefill
+from torchplex.runtime.scoring import ScoreRequest
 
 # Two micro-batches of one group each: the second finds .grad already there, which is when the pending copy was
 # extra (the first one's pending buffer simply became .grad).
@@ -41,8 +36,8 @@ def test_split_backward_lowers_the_train_peak_by_the_pending_gradient_copy():
     shared = probe.shared_grad_bytes(args.text)  # 77.0 MiB: 8 layers of (2h^2 + 2h.kv + 3h.I) + V.h, bf16
     plan = dict(prompt_tokens=split["prompt_tokens"], group=SIZES["group"], response=SIZES["response"],
                 micro_batch=SIZES["micro_batch"], checkpointing=True, vision_trainable=True)
-    before = memory_plan.train_activation_bytes(args, **plan, pending_suffix_grads=True)
-    after = memory_plan.train_activation_bytes(args, **plan)
+    before = estimate.train_activation_bytes(args, **plan, pending_suffix_grads=True)
+    after = estimate.train_activation_bytes(args, **plan)
     # expected gain = shared + one weight's out-of-place sum + the backward moment's own terms - the new largest
     # moment (here the LM head's backward) = 71.5 MiB; measured 70.3 MiB
     expected = before["total"] - after["total"]
