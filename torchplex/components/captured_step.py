@@ -23,8 +23,7 @@ def make_room(need: int) -> bool:
     """Return the caching allocator's unused blocks to the driver when it has fewer than `need` bytes free; whether
     it did. A capture's private pool takes new memory from the driver, and while a capture is under way the
     allocator may not free its cached blocks for it (cudaFree cannot be captured): with the device's free memory
-    cached by the earlier phases the capture fails though enough is reserved (H200, 7B, img P = 64 decomposed: a
-    20 MiB allocation failed with 42.7 GiB reserved but unallocated, 2026-12-03). The check is one driver call;
+    cached by the earlier phases the capture fails though enough is reserved. The check is one driver call;
     the emptying, when needed, costs the next phases' re-mapping (docs/memory.md)."""
     free, _ = torch.cuda.mem_get_info()
     if free >= need:

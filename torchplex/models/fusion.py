@@ -1,10 +1,10 @@
 """Which kernels the model's elementwise chains and odd-width matmuls run on (issue 19's profile).
 
 Eager, each RMSNorm is ~7 kernels over fp32 copies of the activations, each rotary embedding ~5 per tensor and
-the gated MLP's act(a) * b two: at 7B about a quarter of the GPU's busy time in every compute phase. With fusion on,
+the gated MLP's act(a) * b two: at 7B about a quarter of the GPU's busy time in every compute phase (measured: docs/performance.md). With fusion on,
 each chain runs as one `torch.compile`d function (inductor: one kernel; dynamic shapes, so a new batch does not
-recompile) where no gradient is taken: the rollout prefill and reference scoring, which it made 1.65x and 1.03x
-faster on the H200 at P = 8 (docs/benchmarks.md). With grad enabled (training) the chains stay eager: there a compiled call's
+recompile) where no gradient is taken: the rollout prefill and reference scoring, which it made faster
+(docs/performance.md). With grad enabled (training) the chains stay eager: there a compiled call's
 host cost (guard checks, the AOT runtime wrapper, its autograd node: ~2 s of GPU idle per 8 training micro-batches
 at 7B, measured) exceeded the kernels it saved, because the training phase is bound by the host's launch rate at
 micro-batch 8. A batched forward with grad over many prompts (`batched_forward`: the fused prefill, the batched

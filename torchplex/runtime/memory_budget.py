@@ -48,15 +48,11 @@ HELD_STAGES = ("rollout", "ref", "train")  # a fused prefix is held from the rol
 UNPLANNED = "unplanned"  # a stage's peak beyond its groups and held prefixes, measured by the last step (CUDA)
 PREFIX_GRADS = "prefix_grads"  # held batched prefixes' gradients, kept from their micro-batch to the epoch's end
 HEADROOM = 0.05  # of capacity, for the allocator's fragmentation and the small tensors no group counts
-# Training's unplanned bytes before a step measured them (where stages are measured: CUDA), a fraction of capacity.
-# H200, 7B: measured 5.6 GB at img P = 32 and 8.3-10.4 GB at P = 64 (of which the held prefixes' gradients 2.2 and
-# 4.3 GB); a decomposed runner's first step planned with none, with the optimizer state already resident (after
-# another mode's steps in one process; a resumed run is the same), peaked at 137.1 GiB, 5 GiB above its plan.
+# Training's unplanned bytes before a step measured them (where stages are measured: CUDA), a fraction of capacity
+# (docs/memory.md: the priors and where they came from)
 FIRST_TRAIN_UNPLANNED = 0.05
-# The whole-graph scale (whole_graph_scale) before a step measured a kept graph, where stages are measured (CUDA).
-# H200, 7B: kept graphs measured 1.12-1.32x their estimates (every scale run of 2026-12-03/04); at scale 1, vid
-# P = 16 overlapped's first step kept a micro-batch estimated at 67.6 GiB whole, it took 80.8, and the step peaked
-# at 135.9 GiB.
+# The whole-graph scale (whole_graph_scale) before a step measured a kept graph, where stages are measured (CUDA):
+# kept graphs measured above their estimates (docs/memory.md)
 FIRST_WHOLE_GRAPH_SCALE = 1.35
 # what to change when a step does not fit, in the order a user reaches for them
 FIT_KEYS = ("data.prompts_per_step", "rollout.n_samples", "rollout.max_new_tokens", "rollout.kv_pool_gib",
@@ -173,8 +169,8 @@ def choose_train_rounds(prompt_lengths: tuple[int, ...], graph_bytes_per_token: 
     prompts it leaves out are chosen again in the same room for the next round, and so on, until every prompt is
     held or one cannot fit even alone (it and those after it: none). The train stage holds one round at a time: its
     micro-batches take the round's prefixes, the round's batched backward frees them, then the next round's are
-    computed (H200, 7B, img P = 64: the 16 prompts one room left out ran their prefixes per micro-batch, 0.9 s each
-    against 0.35 s for a held one). Overlapped: round 0 is the prefixes held from the fused prefill, and the
+    computed (the prompts one room leaves out would otherwise run their prefixes per micro-batch, each slower than
+    a held one). Overlapped: round 0 is the prefixes held from the fused prefill, and the
     prompts it left out start at round 1."""
     choices: list[PrefixChoice] = []
     start, r = 0, first_round
@@ -200,9 +196,8 @@ def held_at_once_bytes(choices: Sequence[PrefixChoice]) -> int:
     return max(rounds.values(), default=0)
 
 
-# What one training micro-batch's whole graph is worth, in prompts whose actor prefix the fused prefill computes:
-# H200, 7B, img P = 64, a micro-batch (one prompt's 8 samples) took 0.41 s recomputing and 0.27 s whole; fusing a
-# prompt saved 0.046 s (the training prefix forward it replaces, less what autograd adds to the prefill).
+# What one training micro-batch's whole graph is worth, in prompts whose actor prefix the fused prefill computes: the
+# recompute a kept graph saves against the training prefix forward a fused prompt saves (docs/memory.md)
 WHOLE_GRAPH_WORTH = 3
 
 
@@ -215,9 +210,8 @@ def held_cap_for_whole_graphs(budget: MemoryBudget, whole_sizes: Sequence[int], 
     other residents). Training's rounds (choose_train_rounds) hold every prompt in any room that holds the largest
     one, so without fusion the cap is the room that keeps every graph that can be kept, never below one prompt.
     Fusing (overlapped), the prompts fused are held through training: of every count f that fits the room, the cap
-    takes the one worth most, f + WHOLE_GRAPH_WORTH x the micro-batches kept whole beside them (H200, 7B, img P = 64:
-    56 fused prefixes left room for 12 whole graphs of 64, and the step ran 9 s slower than with 25 fused and 64
-    whole). For a runner whose training holds prefixes in rounds (elsewhere the prompts left out would run their
+    takes the one worth most, f + WHOLE_GRAPH_WORTH x the micro-batches kept whole beside them (fusing every prompt
+    that fits can leave room for few whole graphs, and cost more than it saves). For a runner whose training holds prefixes in rounds (elsewhere the prompts left out would run their
     prefixes per micro-batch)."""
     train = budget.residents["train"]
     rest = budget.stage_bytes("train") - train.get("activations", 0)
@@ -275,8 +269,7 @@ def no_recompute_bytes(prefix_bytes_per_token: float, prefix_tokens: int, suffix
     """A training forward's activations with every block keeping its whole graph: the prefixes it computes (not
     those held from a fused prefill or a batched prefix forward) at the prefix graph's rate, a trainable tower's
     blocks included; its responses at the suffix rate, the decoder layers' alone (a response token never enters the
-    vision tower: H200, 7B, img P = 8, micro-batches priced at the prefix rate were estimated at 18.6-31.0 GiB
-    and the largest whole graph measured 16.5); plus the fp32 logits (one LM-head chunk's: `logits_bytes`)."""
+    vision tower, and priced at the prefix rate the estimate was twice what kept graphs measured); plus the fp32 logits (one LM-head chunk's: `logits_bytes`)."""
     return (math.ceil(prefix_bytes_per_token * prefix_tokens + suffix_bytes_per_token * response_tokens)
             + logits_bytes(response_tokens, vocab_size))
 
@@ -284,8 +277,8 @@ def no_recompute_bytes(prefix_bytes_per_token: float, prefix_tokens: int, suffix
 def packed_key_bytes(key_tokens: int, layers: int, key_heads: int, head_dim: int, element_size: int) -> int:
     """The K and V a decomposed training forward's packed suffix attention saves for backward in every layer: each
     suffix's keys are its prompt's prefix rows then its own tokens (models/packing.py, gathered per sample), so a
-    group of G samples on a P-token prefix saves G x P rows (H200, 7B, vid P = 16: 12.8 GiB for one micro-batch,
-    the keys repeated to the query heads)."""
+    group of G samples on a P-token prefix saves G x P rows (in `key_heads`: repeated to the query heads where the
+    attention path repeats them)."""
     return 2 * key_tokens * layers * key_heads * head_dim * element_size
 
 
@@ -296,8 +289,8 @@ def whole_graph_scale(previous: float | None, estimates: Sequence[int], measured
     choices multiply the estimate by it. None while no kept graph has been measured (previous None and none kept
     here): the caller's prior stands (FIRST_WHOLE_GRAPH_SCALE); a measured ratio replaces that prior, below it too.
     A forward's backward allocates beyond what its graph saves (the activations' gradients of the layer in
-    flight, the logits' in fp32), which no per-token rate counts: H200, 7B, vid P = 16, a whole-graph micro-batch
-    estimated at 17.1 GB ran out of the 24.6 GB it found free."""
+    flight, the logits' in fp32), which no per-token rate counts: a graph kept at its bare estimate can run out of
+    the memory it found free."""
     ratios = [m / e for e, m, w in zip(estimates, measured, whole) if w and e > 0]
     if previous is None and not ratios:
         return None
@@ -312,7 +305,7 @@ def recompute_train_bytes(compact_bytes_per_token: float, layer_bytes_per_token:
             + logits_bytes(response_tokens, vocab_size))
 
 
-BACKWARD_LAYERS = 6  # H200, 7B, img P = 32: the backward of 15,750 held tokens took 17.5 GiB, 5.7 layers' graphs
+BACKWARD_LAYERS = 6  # decoder layers' graphs a held batch's backward allocates at once, measured (docs/memory.md)
 
 
 def prefix_backward_rate(layer_bytes_per_token: float) -> float:

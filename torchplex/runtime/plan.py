@@ -67,18 +67,18 @@ class PlanOptions:
     mode: str = "decomposed"                      # serial | decomposed | overlapped
     fuse_actor_prefix: bool = True                # overlapped: actor prefix inside the rollout prefill
     # overlapped: reference prefix K/V inside the decode window (a second host thread, runtime/window.py). Off by
-    # default: on the H200 it hid the reference's host-bound launches (trainable tower: 1.08x -> 1.12x over
-    # decomposed) but not GPU-bound work beside the decode graph (frozen tower: no gain); docs/benchmarks.md.
+    # default: it hides the reference's host-bound launches (a trainable tower: measured faster than decomposed)
+    # but not GPU-bound work beside the decode graph (a frozen tower: no gain); docs/performance.md.
     ref_prefix_in_window: bool = False
     # overlapped: the reference log-probs of each sample scored in the decode window as soon as it has finished, on
     # its prompt's held prefix (what the window did not score, the reference phase does); equal up to rounding.
     ref_suffix_in_window: bool = False
     window_sample_batch: int = 0  # the window scores a prompt's finished samples this many at a time; 0: half a group
     # decomposed: the actor prefixes of the step's prompts in batched forwards at the start of training (one per
-    # group of similar lengths: overlap.length_groups), held (compact or whole graph, as the train stage's room
+    # group of similar lengths: data.batching.length_groups), held (compact or whole graph, as the train stage's room
     # allows) for the first epoch's micro-batches, their backward one batched pass after the last
     # (DecomposedScorer.finish_backward): fewer, larger kernels than one prefix forward and backward per
-    # micro-batch, which at micro-batch 8 the host's launch rate bounds (H200, img P = 32: training 33 -> 44 % MFU);
+    # micro-batch, which at micro-batch 8 the host's launch rate bounds (training's MFU rose: docs/performance.md);
     # what the room leaves out in later rounds (StepShape.train_rounds), overlapped's unfused prompts likewise
     batched_actor_prefix: bool = True
     # decomposed/overlapped: the reference prefixes of every prompt in batched no-grad forwards at the start of the

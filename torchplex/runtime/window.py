@@ -1,7 +1,7 @@
 """The rollout's decode window as a second host thread: work that runs while the engine decodes, and the
 reference work a step places there (`DecodeWindowJobs`).
 
-Why a thread. Measured on the H200 (docs/benchmarks.md): a replay of the captured decode step keeps the GPU busy
+Why a thread (measured: docs/performance.md): a replay of the captured decode step keeps the GPU busy
 for milliseconds while the host spends a fraction of that launching it and then waits, whereas the eager
 reference forwards are host-bound (a 7B prompt prefix is ~0.1 s of launches for a fraction of that in GPU work).
 Run between decode steps on the decode loop's own thread, such a slice stops the decode launches, so the GPU
