@@ -16,7 +16,7 @@ seeded init), bf16 on GPU.
                        each backward (DDP-style): decode replays a CUDA graph. Colocation at its best here.
   disaggregated        rank 0 rolls out every prompt on its own copy of the weights; rank 1 scores and trains
                        every sample, then broadcasts each updated parameter (bucketed) back to rank 0; rank 0
-                       broadcasts the sampled tokens/log-probs to rank 1 (torchplex/runtime/disaggregation.py).
+                       broadcasts the sampled tokens/log-probs to rank 1 (benchmarks/disaggregation.py).
                        Rollout k+1 waits for the weights of step k.
 Colocated layouts run their steps in "serial" and "overlapped" runtime modes alternately (StepRunner); the
 disaggregated trainer runs --disagg-trainer mode (default decomposed: the overlapped schedule minus what needs the
@@ -49,7 +49,7 @@ from torchplex.distributed.mesh import build_parallel_dims, finish_distributed, 
 from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
 from torchplex.rollout.sampling import SamplingParams, sample_seeds as seeds_of  # noqa: E402
-from torchplex.runtime.disaggregation import RemoteRollout, WeightTransfer, send_outputs  # noqa: E402
+from benchmarks.disaggregation import RemoteRollout, WeightTransfer, send_outputs  # noqa: E402
 from benchmarks.bench_runtime import bench_config  # noqa: E402
 from torchplex.runtime.build import build_step_runtime  # noqa: E402
 

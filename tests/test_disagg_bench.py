@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from torchplex.rollout.engine import SampleOutput
-from torchplex.runtime.disaggregation import _pack, _unpack, plan_buckets
+from benchmarks.disaggregation import _pack, _unpack, plan_buckets
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, GROUP, MAX_NEW = 2, 4, 6

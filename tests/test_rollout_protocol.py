@@ -14,7 +14,7 @@ from distributed_helpers import free_port, init_gloo, spawn
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.protocol import RolloutCapabilities, RolloutEngineProtocol
 from torchplex.rollout.sampling import SamplingParams
-from torchplex.runtime.disaggregation import RemoteRollout
+from benchmarks.disaggregation import RemoteRollout
 from torchplex.runtime.plan import PlanOptions, StepShape, plan_step
 from torchplex.runtime.rollout_weights import SharedRolloutEngine
 

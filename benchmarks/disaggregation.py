@@ -1,4 +1,5 @@
-"""Disaggregated rollout: what crosses between a rollout process and a trainer process in a synchronous step.
+"""The disaggregated baseline of benchmarks/disagg_bench.py (not part of the product): what crosses between a
+rollout process and a trainer process in a synchronous step.
 
 The rollout process holds its own copy of the policy weights and a RolloutEngine; the trainer holds the actor,
 the reference and the optimizer. Each step:
@@ -18,8 +19,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..rollout.engine import RolloutStats, SampleOutput
-from ..rollout.protocol import RolloutCapabilities, reject_unsupported_hooks
+from torchplex.rollout.engine import RolloutStats, SampleOutput
+from torchplex.rollout.protocol import RolloutCapabilities, reject_unsupported_hooks
 
 
 def _sync(device: torch.device) -> None:
