@@ -37,7 +37,7 @@ fi
 CONFIG_FILE=${CONFIG_FILE:-${SCRIPT_DIR}/train_configs/debug.toml}
 
 # Run from the repo root (so `-m torchplex.train` imports without an install); relative paths given on the command
-# line still mean the caller's folder (torchplex/config.py reads it here), a TOML's paths its own folder.
+# line still mean the caller's folder (torchplex/config/loader.py reads it here), a TOML's paths its own folder.
 export TORCHPLEX_CALLER_DIR="${TORCHPLEX_CALLER_DIR:-${PWD}}"
 cd "${SCRIPT_DIR}"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from torchplex.config import Config, ConfigError, load_config, to_toml
+from torchplex.config import Config, ConfigError, config_from_dict, load_config, save_config, to_toml
 from torchplex.models.qwen2_5_vl.args import FLAVORS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -235,7 +235,7 @@ def non_default_config() -> Config:
 
 def test_save_then_load_gives_the_same_config(tmp_path):
     cfg = non_default_config()
-    path = cfg.save(tmp_path / "run" / "config.toml")
+    path = save_config(cfg, tmp_path / "run" / "config.toml")
     loaded = load_file(str(path))
     # load records where it read; paths are saved absolute (a relative one meant the working folder)
     absolute = replace(cfg, job=replace(cfg.job, config_file=str(path), output_dir=os.path.abspath(cfg.job.output_dir)),
@@ -246,7 +246,7 @@ def test_save_then_load_gives_the_same_config(tmp_path):
 def test_saved_empty_list_round_trips(tmp_path):
     cfg = Config()
     cfg.reward = replace(cfg.reward, functions=[], weights=[])
-    assert load_file(str(cfg.save(tmp_path / "c.toml"))).reward.functions == []
+    assert load_file(str(save_config(cfg, tmp_path / "c.toml"))).reward.functions == []
 
 
 def test_to_dict_and_from_dict_round_trip():
@@ -254,14 +254,14 @@ def test_to_dict_and_from_dict_round_trip():
     data = cfg.to_dict()
     assert set(data) == {"job", "model", "data", "rollout", "algorithm", "reward", "optimizer", "lr_scheduler",
                          "training", "checkpoint", "metrics", "runtime", "parallelism", "memory"}
-    assert Config.from_dict(data) == cfg
+    assert config_from_dict(data) == cfg
     data["reward"]["functions"].append("mutated")  # to_dict hands out copies, not the config's own lists
     assert cfg.reward.functions == ["format", "accuracy", "think_format"]
 
 
 def test_from_dict_validates_like_a_file():
     with pytest.raises(ConfigError, match=r"unknown key model.flavour in my dict"):
-        Config.from_dict({"model": {"flavour": "7B"}}, origin="my dict")
+        config_from_dict({"model": {"flavour": "7B"}}, origin="my dict")
 
 
 def test_to_toml_writes_sections_in_order_with_toml_literals():
@@ -321,7 +321,7 @@ def test_values_that_train_nothing_are_refused_naming_key_and_file(tmp_path, key
     with pytest.raises(ConfigError, match=rf"{key} = {value} must be >= .*command line"):
         load_config([f"--{key}={value}"])
     with pytest.raises(ConfigError, match=rf"{key} = {value} must be >= .*config from my.toml"):
-        Config.from_dict({section: {name: value}}, origin="my.toml")
+        config_from_dict({section: {name: value}}, origin="my.toml")
 
 
 def test_named_algorithms_get_their_papers_loss_defaults(tmp_path):
@@ -345,8 +345,8 @@ def test_named_algorithms_get_their_papers_loss_defaults(tmp_path):
         path = write_toml(tmp_path, f'[algorithm]\nname = "{name}"\nloss_agg = "seq-mean-token-sum"\n')
         cfg = load_file(path, "--algorithm.clip_high=0.5")
         assert settings(cfg) == (*want[:2], "seq-mean-token-sum", want[3], 0.5, want[5])
-        assert settings(Config.from_dict({"algorithm": {"name": name}})) == want
-        saved = load_file(str(cfg.save(tmp_path / f"{name}.toml")))  # every key is written, so all are given
+        assert settings(config_from_dict({"algorithm": {"name": name}})) == want
+        saved = load_file(str(save_config(cfg, tmp_path / f"{name}.toml")))  # every key is written, so all are given
         assert saved.to_dict()["algorithm"] == cfg.to_dict()["algorithm"]
 
 
@@ -447,7 +447,7 @@ def test_shipped_configs_write_runs_and_outputs_at_the_repo_root(name):
 
 def test_a_config_with_data_file_patterns_saves_and_loads_again(tmp_path):
     cfg = load_config([f"--data.train_files=[\"{tmp_path}/train-*.parquet\"]", "--data.eval_files=[\"e.jsonl\"]"])
-    again = load_file(str(cfg.save(tmp_path / "saved.toml")))
+    again = load_file(str(save_config(cfg, tmp_path / "saved.toml")))
     assert again.data.train_files == [f"{tmp_path}/train-*.parquet"] and Path(again.data.eval_files[0]).is_absolute()
 
 

@@ -5,7 +5,6 @@ query (nothing changes, the engine least of all), `observe` is the only way it l
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch

@@ -53,8 +53,6 @@ class FullSequenceReference:
 
     def score(self, model, request: ScoreRequest, temperature: float, with_entropy: bool = False):
         width = request.tokens.shape[1]
-        logp = torch.zeros(request.tokens.shape)
-        entropy = torch.zeros(request.tokens.shape)
         rows_logp, rows_entropy = [], []
         for s, i in enumerate(request.prompt_index):
             prompt, n = request.prompts[i], int(request.lengths[s])

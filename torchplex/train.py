@@ -29,7 +29,7 @@ from .components.console import RunSummary, StopRequest, format_eval, optimizer_
 from .components.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, StepProgress, format_step_line
 from .components.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from .components.plot_metrics import plot_metrics
-from .config import Config, ConfigError, check_rewards, load_config
+from .config import Config, ConfigError, check_rewards, load_config, save_config
 from .data.processing import load_processor
 from .data.prompts import EncodedBatch, PromptEncoder
 from .data.records import PromptStream
@@ -148,7 +148,7 @@ class Trainer:
         self.run_lock = claim_run_folder(self.run_dir, self.checkpoints.folder, cfg.job.overwrite, resuming,
                                          self.rank, self._any_rank)
         if self.rank == 0:
-            cfg.save(self.run_dir / "config.toml")
+            save_config(cfg, self.run_dir / "config.toml")
 
         dtype = DTYPES[cfg.model.dtype]
         self.actor = build_model(hf_dir=ckpt, device=self.device, dtype=dtype, parallelize=self._parallelize)

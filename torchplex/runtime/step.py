@@ -31,7 +31,7 @@ from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
 from .experience import Experience, build_experience, reference_phase
 from .held_prefixes import TrainPrefixes, held_forms_after_prefill
-from .memory_budget import NONE, PrefixChoice
+from .memory_budget import PrefixChoice
 from .memory_estimate import MemoryEstimator, StepFootprint
 from .phases import PhaseName, Stage
 from .plan import StepPlan, StepShape, plan_step
