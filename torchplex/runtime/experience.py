@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
+from ..distributed.data_parallel import all_reduce_sums
 from ..rl.advantages import compute_advantages, dynamic_sampling_keep
 from ..rl.losses import kl_penalty
 from ..rl.rewards import combine_rewards, is_correct
@@ -142,14 +142,6 @@ def reference_phase(reference, scorer: Scorer, exp: Experience, temperature: flo
         logp, _ = scorer.score(reference, exp.request(mb), temperature)
         out[torch.tensor(mb, device=out.device), :logp.shape[1]] = logp.float()
     exp.ref_logprobs = out
-
-
-def all_reduce_sums(values: Sequence[float | torch.Tensor], device, dp_group) -> list[float]:
-    """Sums over data-parallel ranks (in float64) of per-rank partial sums; the values themselves without a group."""
-    total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    if dp_group is not None:
-        dist.all_reduce(total, group=dp_group)
-    return total.tolist()
 
 
 def kl_to_reference(exp: Experience, estimator: str, dp_group=None) -> float | None:

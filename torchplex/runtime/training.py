@@ -21,10 +21,11 @@ import torch.distributed as dist
 
 from ..components.optim import clip_grad_norm
 from ..components.peak_memory import PeakWindows, grad_bytes
+from ..distributed.data_parallel import all_reduce_sums
 from ..distributed.fsdp import reshard
 from ..models.qwen2_5_vl.parallelize import recompute
 from ..rl.losses import BatchTotals, LossStats, PolicyLossConfig, policy_loss
-from .experience import Experience, all_reduce_sums, micro_batches
+from .experience import Experience, micro_batches
 from .scoring import ScoreRequest, Scorer
 
 
