@@ -5,6 +5,7 @@ query (nothing changes, the engine least of all), `observe` is the only way it l
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -14,9 +15,9 @@ from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel
 from torchplex.rollout.kv_pool import GroupKVPool
 from torchplex.rollout.protocol import RolloutCapabilities
 from torchplex.runtime.build import footprint
-from torchplex.runtime.memory_budget import UNPLANNED, BatchTooLargeError
+from torchplex.runtime.memory_budget import MICRO_BATCH_SHARE, UNPLANNED, BatchTooLargeError
 from torchplex.runtime.memory_estimate import MemoryEstimator, StepFootprint
-from torchplex.runtime.plan import PlanOptions, StepShape
+from torchplex.runtime.plan import PlanOptions, StepShape, plan_step
 from torchplex.runtime.settings import StepSettings
 
 GiB = 2**30
@@ -37,17 +38,17 @@ class PoolOnly:
                                        max_new, torch.bfloat16)
 
 
-def recipe_estimator(flavor: str, kv_pool_gib: float, capacity: int, *, dp_size: int = 1):
-    """The estimate of a shipped recipe's step (decomposed, activation checkpointing, the reference loaded), built
-    from meta-device models of the published geometry in bf16, on a card of `capacity` bytes."""
+def recipe_estimator(flavor: str, kv_pool_gib: float, capacity: int, *, dp_size: int = 1, mode: str = "decomposed"):
+    """The estimate of a shipped recipe's step (decomposed unless `mode`, activation checkpointing, the reference
+    loaded), built from meta-device models of the published geometry in bf16, on a card of `capacity` bytes."""
     args = get_flavor(flavor)
     with torch.device("meta"):
         actor, reference = Qwen2_5_VLModel(args).bfloat16(), Qwen2_5_VLModel(args).bfloat16()
     from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing
     apply_activation_checkpointing(actor)
     engine = PoolOnly(args, kv_pool_gib)
-    settings = StepSettings(reward_names=["accuracy"], reward_weights=[1.0], micro_batch_size=8,
-                            plan=PlanOptions(mode="decomposed", memory_budget_bytes=capacity))
+    settings = StepSettings(reward_names=["accuracy"], reward_weights=[1.0],
+                            plan=PlanOptions(mode=mode, memory_budget_bytes=capacity))
     fp = footprint(actor, reference, engine, settings)
     if dp_size > 1:  # a rank of FSDP2 over dp_size: its shard of every parameter and of the AdamW state
         fp = dataclasses.replace(fp, actor_bytes=fp.actor_bytes // dp_size, reference_bytes=fp.reference_bytes // dp_size,
@@ -112,3 +113,57 @@ def test_estimate_is_a_query_and_observe_is_how_it_learns():
     memory.observe(StepFootprint(stage_peaks={"rollout": first.stage_bytes("rollout") + 3 * GiB},
                                  planned=first.residents))
     assert memory.estimate(img_shape(64), settings.plan).residents["rollout"][UNPLANNED] == 3 * GiB
+
+
+# ---- micro-batches by tokens (issue 49) -------------------------------------------------------------------------
+def issue_shape(memory: MemoryEstimator) -> StepShape:
+    """Issue 49's shape: 4 image prompts of ~1,050 tokens x G = 8, 256 response tokens, with the estimator's rates
+    (what GRPOStep.shape gives it)."""
+    return StepShape(prompt_lengths=(1050,) * 4, group_size=8, max_new_tokens=256,
+                     kv_bytes_per_token=memory.fp.kv_bytes_per_token, activation_bytes_per_token=memory.graph_rate(),
+                     compact_bytes_per_token=memory.compact_rate())
+
+
+@pytest.mark.parametrize("mode", ["serial", "decomposed", "overlapped"])
+def test_the_planner_sizes_micro_batches_by_tokens_from_the_card(mode):
+    """The 3B recipe on the issue's shape: the planner's token budget grows with the card, fits it by the estimator's
+    own accounting (the micro-batch's whole graph within its share of what the train stage leaves, one more token
+    past it unless a cap stopped it; the train stage within the usable bytes), and stands in the plan's printout and
+    JSON."""
+    tokens = {}
+    for card in (H100, H200):
+        memory, settings = recipe_estimator("3B", 8.0, card, mode=mode)
+        shape = issue_shape(memory)
+        budget = memory.estimate(shape, settings.plan)
+        budget.check("the issue's step")
+        t = tokens[card] = budget.micro_batch_tokens
+        train = budget.residents["train"]
+        room = (1.0 if mode == "serial" else MICRO_BATCH_SHARE) * (
+            budget.usable_bytes - budget.stage_bytes("train") + train["activations"])
+        whole = lambda n: memory.train_micro_batch_bytes(shape, n, whole=True)
+        assert whole(t) <= room and budget.stage_bytes("train") <= budget.usable_bytes
+        assert "capped" in budget.micro_batch_reason or whole(t + 1) > room, budget.micro_batch_reason
+        plan = plan_step(dataclasses.replace(shape, prefix_room_bytes=budget.room_bytes), settings.plan)
+        plan.budget = budget
+        assert f"micro-batches: training {t:,} tokens" in str(plan)
+        assert json.loads(plan.to_json())["micro_batch_tokens"] == t
+    assert tokens[H200] > tokens[H100]
+
+
+def test_on_the_same_card_the_prefix_modes_hold_more_samples_per_micro_batch_than_serial():
+    """A serial sample costs its prompt's 1,050 tokens too; a decomposed one its 256 response tokens: the budgets the
+    planner picks on an 80 GB card hold several times more decomposed samples (the issue's 2-sample micro-batch was
+    512 tokens)."""
+    samples = {}
+    for mode, cost in (("serial", 1050 + 256), ("decomposed", 256)):
+        memory, settings = recipe_estimator("3B", 8.0, H100, mode=mode)
+        samples[mode] = memory.estimate(issue_shape(memory), settings.plan).micro_batch_tokens // cost
+    assert samples["decomposed"] >= 3 * samples["serial"] >= 3
+
+
+def test_a_configured_token_budget_and_a_bound_on_sequences_are_what_the_plan_uses():
+    memory, settings = recipe_estimator("3B", 8.0, H100)
+    memory.fp = dataclasses.replace(memory.fp, micro_batch_tokens=1000, ref_micro_batch_size=2)
+    budget = memory.estimate(issue_shape(memory), settings.plan)
+    assert budget.micro_batch_tokens == 1000 and "training 1,000 tokens (configured)" in budget.micro_batch_reason
+    assert budget.ref_micro_batch_tokens == 2 * 256  # two full-length samples: the bound on sequences
