@@ -116,10 +116,6 @@ class RolloutConfig:
     max_new_tokens: int = 32  # longest response sampled, in tokens
     kv_pool_gib: float = 1.0  # the rollout KV cache; 0 = sized each step from memory.budget_gib (all groups that fit)
     max_batch: int = 256  # sequences decoded concurrently
-    # native backend: once no prompt waits and the live samples fit one per group slot, decode them alone (as groups
-    # of one in the pool's first rows) instead of every slot to the longest response's end; off by default, as it paid
-    # in one measured shape only (docs/benchmarks.md)
-    compact_decode: bool = False
     # backend "sglang" (rollout/sglang_backend/): a rollout SGLang does not answer within this fails the step
     sglang_timeout_s: float = 600.0
     sglang_mem_fraction: float = 0.2  # SGLang's mem_fraction_static: its weights + KV cache, of the GPU's memory
@@ -470,8 +466,6 @@ _CHECKS = [
     ("rollout.sglang_timeout_s", lambda c: c.rollout.sglang_timeout_s > 0, "must be > 0"),
     ("rollout.sglang_mem_fraction", lambda c: 0 < c.rollout.sglang_mem_fraction < 1, "must be in (0, 1)"),
     ("rollout.sglang_bucket_mib", lambda c: c.rollout.sglang_bucket_mib >= 1, "must be >= 1"),
-    ("rollout.compact_decode", lambda c: not c.rollout.compact_decode or c.rollout.backend == "native",
-     "needs rollout.backend = \"native\" (SGLang schedules its own batches)"),
     ("algorithm.clip_low", lambda c: 0 <= c.algorithm.clip_low < 1, "must be in [0, 1)"),
     ("algorithm.clip_high", lambda c: c.algorithm.clip_high >= 0, "must be >= 0"),
     ("algorithm.micro_batch_size", lambda c: c.algorithm.micro_batch_size >= 1, "must be >= 1"),

@@ -168,7 +168,7 @@ class Trainer:
             self.engine = build_rollout_engine(self.actor, self.dims, cfg.parallelism.rollout_tp,
                                                kv_pool_bytes=int(cfg.rollout.kv_pool_gib * 2**30),
                                                max_batch=cfg.rollout.max_batch, pad_id=self.pad_id,
-                                               device=self.device, compact_decode=cfg.rollout.compact_decode)
+                                               device=self.device)
         if self.reference is not None and cfg.model.freeze_vision:
             self.reference.visual = self.actor.visual  # the same frozen weights: keep one copy, encode once
         o = cfg.optimizer
