@@ -114,8 +114,13 @@ def attend(shape: PoolShape, q, k, v, prefix_k, prefix_v, suffix_k, suffix_v, sl
     suffix_k[slot_of_row, :, write_at] = k[:, :, 0].to(shape.dtype)
     suffix_v[slot_of_row, :, write_at] = v[:, :, 0].to(shape.dtype)
     q_slots = q.new_zeros((shape.slots, *q.shape[1:])).index_put((slot_of_row,), q)
+    return attend_slots(shape, q_slots, prefix_k, prefix_v, suffix_k, suffix_v, masks)[slot_of_row]
+
+
+def attend_slots(shape: PoolShape, q_slots, prefix_k, prefix_v, suffix_k, suffix_v, masks):
+    """The attention of every slot's query (S, H, 1, D), the slot's new k/v already in the pool."""
     core = _flex if shape.kernel == "flex" else _matmul
-    return core(shape, q_slots, prefix_k, prefix_v, suffix_k, suffix_v, masks)[slot_of_row]
+    return core(shape, q_slots, prefix_k, prefix_v, suffix_k, suffix_v, masks)
 
 
 def _flex(shape: PoolShape, q, prefix_k, prefix_v, suffix_k, suffix_v, masks):

@@ -84,9 +84,10 @@ class DecodePieces:
     """The step's pieces, eager or compiled (module docstring). One object per engine; dynamo keeps each piece's
     graphs on its code object, so engines with the same options share them."""
 
-    def __init__(self, compiled: bool, options: dict | None = None):
+    def __init__(self, compiled: bool, options: dict | None = None, backend: str = "inductor"):
         self.compiled = compiled
-        wrap = (lambda fn: torch.compile(fn, dynamic=False, options=options)) if compiled else (lambda fn: fn)
+        wrap = ((lambda fn: torch.compile(fn, backend=backend, dynamic=False, options=options)) if compiled
+                else (lambda fn: fn))
         self.step_in, self.layer_in, self.attend = wrap(step_in), wrap(layer_in), wrap(attend)
         self.layer_out, self.step_out = wrap(layer_out), wrap(step_out)
 
