@@ -120,6 +120,9 @@ class RolloutConfig:
     sglang_timeout_s: float = 600.0
     sglang_mem_fraction: float = 0.2  # SGLang's mem_fraction_static: its weights + KV cache, of the GPU's memory
     sglang_bucket_mib: int = 512  # weights pushed to SGLang per update_weights_from_tensor call
+    # SGLang's deterministic inference (batch-invariant kernels, triton attention, its seeded pytorch sampler): each
+    # sample reproducible from its seed, at a cost in speed. Off: SGLang's usual fast configuration, unseeded sampling
+    sglang_deterministic: bool = False
 
 
 @dataclass
@@ -466,6 +469,8 @@ _CHECKS = [
     ("rollout.sglang_timeout_s", lambda c: c.rollout.sglang_timeout_s > 0, "must be > 0"),
     ("rollout.sglang_mem_fraction", lambda c: 0 < c.rollout.sglang_mem_fraction < 1, "must be in (0, 1)"),
     ("rollout.sglang_bucket_mib", lambda c: c.rollout.sglang_bucket_mib >= 1, "must be >= 1"),
+    ("rollout.sglang_deterministic", lambda c: not c.rollout.sglang_deterministic or c.rollout.backend == "sglang",
+     "needs rollout.backend = \"sglang\" (the native engine's sampling is seeded per sample already)"),
     ("algorithm.clip_low", lambda c: 0 <= c.algorithm.clip_low < 1, "must be in [0, 1)"),
     ("algorithm.clip_high", lambda c: c.algorithm.clip_high >= 0, "must be >= 0"),
     ("algorithm.micro_batch_size", lambda c: c.algorithm.micro_batch_size >= 1, "must be >= 1"),

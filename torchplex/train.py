@@ -163,6 +163,7 @@ class Trainer:
             self.engine = build_sglang_engine(self.actor, str(ckpt), self.dims, cfg.parallelism.rollout_tp,
                                               self.device, dtype=cfg.model.dtype, mem_fraction=r.sglang_mem_fraction,
                                               timeout_s=r.sglang_timeout_s, bucket_mib=r.sglang_bucket_mib,
+                                              deterministic=r.sglang_deterministic,
                                               seed=cfg.job.seed)
         else:  # rollout_tp != tp: rollout runs on a model sharing the actor's storage (runtime/rollout_weights.py)
             self.engine = build_rollout_engine(self.actor, self.dims, cfg.parallelism.rollout_tp,
