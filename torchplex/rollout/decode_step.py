@@ -130,13 +130,17 @@ class DecodeStep:
         return PoolShape(pool.num_groups, pool.n, pool.max_prompt, pool.max_new, pool.dtype, e.decode_kernel,
                          tuple(sorted(options.items())) if options else None)
 
-    def __call__(self, rows: Rows) -> tuple[torch.Tensor, ...]:
+    def step_fn(self) -> Callable:
+        """The step on the engine's current pool, as a function of Rows.inputs."""
         e = self.engine
-        fn = functools.partial(decode_rows, e.pieces, e.model, e.pool, self.shape(), self.params, self.stop_ids,
-                               e.fused_qkv)
-        if self.capture is None:
-            return fn(*rows.inputs)
+        return functools.partial(decode_rows, e.pieces, e.model, e.pool, self.shape(), self.params, self.stop_ids,
+                                 e.fused_qkv)
+
+    def __call__(self, rows: Rows) -> tuple[torch.Tensor, ...]:
         size = rows.slot_of_row.shape[0]
-        if size not in self.graphs:
-            self.graphs[size] = self.capture(fn)
-        return self.graphs[size](*rows.inputs)
+        graph = self.graphs.get(size)
+        if graph is None:
+            if self.capture is None:
+                return self.step_fn()(*rows.inputs)
+            graph = self.graphs[size] = self.capture(self.step_fn())
+        return graph(*rows.inputs)

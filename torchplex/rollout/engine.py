@@ -86,11 +86,7 @@ class RolloutEngine:
             # code object: past dynamo's default limit of 8 a piece would run eager, which cannot be captured with
             # the flex kernels.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        # The flex kernels only pay compiled on CUDA (inductor's CPU flex has no log-sum-exp output); elsewhere
-        # "matmul" is the faster of the two.
-        self.decode_kernel = decode_kernel or ("flex" if self.use_compile and self.device.type == "cuda" else "matmul")
-        if self.decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
+        self.decode_kernel = self._kernel(decode_kernel)
         self.flex_options = flex_options
         # compile_options: inductor options of the decode pieces' torch.compile, e.g. {"max_autotune_gemm": True}
         # (inductor benchmarks Triton GEMM templates against cuBLAS per shape: minutes more compilation).
@@ -109,15 +105,7 @@ class RolloutEngine:
         # decode_priority (CUDA): decode steps run on a stream of the highest priority, so that when decode-window
         # work runs beside them on another stream, the GPU's block scheduler hands free SMs to decode first.
         self.decode_priority = decode_priority
-        # fused_qkv: decode steps project q/k/v with one GEMM on a fused copy of the three weights (model.fuse_qkv,
-        # refreshed at every generate; 2*(H + 2*Hkv)*D*hidden bytes per layer, 0.9 GiB at 7B bf16), measured faster
-        # per step on a GPU (docs/benchmarks.md). Default: wherever the decode step is compiled on CUDA and the
-        # weights are plain tensors.
-        plain = plain_tensors(model)
-        if fused_qkv and not plain:
-            raise ValueError("fused_qkv needs a model of plain tensors (not FSDP2- or TP-sharded)")
-        self.fused_qkv = (self.use_compile and self.device.type == "cuda" and plain) if fused_qkv is None \
-            else fused_qkv
+        self.fused_qkv = self._fused_qkv(fused_qkv)
         self._decode_stream: torch.cuda.Stream | None = None
         self._caller_stream: torch.cuda.Stream | None = None  # generate's stream while decode runs on its own
         self.pool: GroupKVPool | None = None
@@ -125,6 +113,24 @@ class RolloutEngine:
         # time_prefill (CUDA): synchronize around each prefill so stats.prefill_s is its device time, not the time
         # to enqueue it (benchmarks computing prefill MFU turn it on; it costs a sync per admission)
         self.time_prefill = False
+
+    def _kernel(self, kernel: str | None) -> str:
+        """The decode attention's kernel: flex pays only compiled on CUDA (inductor's CPU flex has no log-sum-exp
+        output); elsewhere "matmul" is the faster of the two."""
+        kernel = kernel or ("flex" if self.use_compile and self.device.type == "cuda" else "matmul")
+        if kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
+        return kernel
+
+    def _fused_qkv(self, fused_qkv: bool | None) -> bool:
+        """Whether decode steps project q/k/v with one GEMM on a fused copy of the three weights (model.fuse_qkv,
+        refreshed at every generate; 2*(H + 2*Hkv)*D*hidden bytes per layer, 0.9 GiB at 7B bf16), measured faster
+        per step on a GPU (docs/benchmarks.md). Default: wherever the decode is compiled on CUDA and the weights are
+        plain tensors."""
+        plain = plain_tensors(self.model)
+        if fused_qkv and not plain:
+            raise ValueError("fused_qkv needs a model of plain tensors (not FSDP2- or TP-sharded)")
+        return (self.use_compile and self.device.type == "cuda" and plain) if fused_qkv is None else fused_qkv
 
     # ---- pool lifetime -------------------------------------------------------------------------------
     def _new_storage(self) -> None:
