@@ -192,7 +192,8 @@ def build(a, device):
     return model, engine
 
 
-def measure(a, model, engine, device, bandwidth: float, peak: float) -> list[dict]:
+def measure(a, model, engine, device, bandwidth: float, peak: float, emit) -> list[dict]:
+    """One row per size, each handed to `emit` as it is made."""
     state, params = decode_pool(engine, a, device)
     if engine.fused_qkv:
         model.fuse_qkv()  # what generate does before decoding
@@ -207,6 +208,7 @@ def measure(a, model, engine, device, bandwidth: float, peak: float) -> list[dic
             first = (str(err).strip().splitlines() or [""])[0]
             rows_out.append(decode_row(a.geometry, a.groups, a.group, rows, error=f"{type(err).__name__}: {first}"[:500]))
             print(json.dumps({**rows_out[-1], "error": repr(err)[:2000]}), flush=True)
+            emit(rows_out)
             continue
         work = step_work(model, engine.pool, rows, a.context, a.own + (a.warmup + a.steps) // 2)
         peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -214,6 +216,7 @@ def measure(a, model, engine, device, bandwidth: float, peak: float) -> list[dic
                                    peak_bytes, first_step_s=first_s, weight_bytes=work.weight_bytes,
                                    kv_bytes=work.kv_bytes, flops=work.flops))
         print(json.dumps(rows_out[-1]), flush=True)
+        emit(rows_out)
     return rows_out
 
 
@@ -257,12 +260,19 @@ def run(a, argv: list[str]) -> dict:
             "geometry": a.geometry, "groups": a.groups, "group": a.group, "context": a.context, "own": a.own,
             "cuda_graph": engine.use_graphs, "compiled": engine.use_compile, "kernel": engine.decode_kernel,
             "copy_bandwidth_GBps": bandwidth / 1e9, "matmul_peak_TFLOPs": peak / 1e12}
-    rows = measure(a, model, engine, device, bandwidth, peak)
-    info.update(captures=engine.stats.captures, capture_s=engine.stats.capture_s, wall_s=time.perf_counter() - t0)
-    result = results_doc(argv, info, rows)
+
+    def emit(rows: list[dict]) -> dict:
+        """The results file as it stands: written after every size, so a size that hangs until the watchdog keeps
+        the others' rows."""
+        info.update(captures=engine.stats.captures, capture_s=engine.stats.capture_s,
+                    wall_s=time.perf_counter() - t0)
+        result = results_doc(argv, info, rows)
+        if a.out:
+            Path(a.out).write_text(json.dumps(result, indent=2))
+        return result
+
+    result = emit(measure(a, model, engine, device, bandwidth, peak, emit))
     print(json.dumps(info), flush=True)
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=2))
     return result
 
 
