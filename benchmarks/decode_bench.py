@@ -3,13 +3,14 @@
     python benchmarks/decode_bench.py --geometry 7B --groups 64 --group 8 --context 1050 --own 256 \
         --rows 8 16 32 64 128 192 256 384 512 --steps 32 --watchdog-s 170 --out decode-<date>-ladder.json
 
-(meant to finish within two minutes on one H100 or H200, the first size's compilation included; `--smoke` runs the
-debug geometry eagerly on the CPU in seconds, as tests/test_decode_bench.py does.)
+(meant to finish within two minutes on one H100 or H200, the first size's compilation included; `--whole-layer`
+times the engine with each layer one compiled graph instead of three pieces; `--smoke` runs the debug geometry
+eagerly on the CPU in seconds, as tests/test_decode_bench.py does.)
 
 Random bf16 weights of the Qwen2.5-VL language geometry (the vision tower plays no part in decode and is cut to one
 block). The KV pool is a GRPO rollout's: `--groups` prompt groups of `--group` samples, every prompt `--context`
-tokens already in the pool. A step of B rows decodes B samples spread over the groups first (sample slot r % groups
-of group ..., like a long-tailed rollout's tail, where most groups still have a live sample), each `--own` tokens
+tokens already in the pool. A step of B rows decodes B samples spread over the groups first (row r: sample r // groups
+of group r % groups, like a long-tailed rollout's tail, where most groups still have a live sample), each `--own` tokens
 into its response: the rollout's own step (rollout/decode_step.py: its pieces compiled, one CUDA graph per size)
 and its per-step bookkeeping (DecodeState.advance), nothing else. Sizes run from the largest down, as a rollout
 meets them, so the graphs share one memory pool sized by the first.
@@ -156,11 +157,12 @@ def decode_pool(engine, a, device) -> tuple[DecodeState, SamplingParams]:
 
 
 def decode_row(geometry: str, groups: int, group: int, rows: int, per_step: float = 0.0, floor: tuple = (0.0, 0.0),
-               peak_bytes: int = 0, error: str = "", **extra) -> dict:
+               peak_bytes: int = 0, error: str = "", variant: str = "", **extra) -> dict:
     """One ladder size as a row of ../shared/RESULTS.md (topic "decode"): a "step" is one decode step of `rows`
     rows (`rows` tokens), `floor_fraction` the floor (the larger of its bytes and FLOPs parts) over its time;
     `error` makes it a failed row."""
-    row = {"workload": "decode", "geometry": geometry, "prompts": groups, "group": group, "mode": f"rows-{rows}",
+    row = {"workload": "decode", "geometry": geometry, "prompts": groups, "group": group,
+           "mode": f"rows-{rows}" + (f"-{variant}" if variant else ""),
            "rows": rows, "step_s": per_step, "phases_s": {"decode": per_step} if per_step else {},
            "peak_gib": peak_bytes / 2**30, "samples": rows, "tokens": rows, "ok": not error, "error": error}
     if per_step:
@@ -188,7 +190,8 @@ def build(a, device):
     model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).to_empty(device=device)
     model.init_weights()
     model.eval().requires_grad_(False)  # the timed loop calls the step directly, outside generate's no_grad
-    engine = RolloutEngine(model, kv_pool_bytes=0, max_batch=a.groups * a.group, compile_decode=not a.eager)
+    engine = RolloutEngine(model, kv_pool_bytes=0, max_batch=a.groups * a.group, compile_decode=not a.eager,
+                           whole_layer_graphs=a.whole_layer)
     return model, engine
 
 
@@ -198,6 +201,7 @@ def measure(a, model, engine, device, bandwidth: float, peak: float, emit) -> li
     if engine.fused_qkv:
         model.fuse_qkv()  # what generate does before decoding
     step = engine.decode_step(params)
+    variant = "whole-layer" if a.whole_layer else ""
     rows_out = []
     for rows in sorted(a.rows, reverse=True):
         if device.type == "cuda":
@@ -206,14 +210,15 @@ def measure(a, model, engine, device, bandwidth: float, peak: float, emit) -> li
             first_s, per_step = time_size(engine, state, step, rows, a, device)
         except Exception as err:  # keep the other sizes' numbers: this one is a failed row
             first = (str(err).strip().splitlines() or [""])[0]
-            rows_out.append(decode_row(a.geometry, a.groups, a.group, rows, error=f"{type(err).__name__}: {first}"[:500]))
+            rows_out.append(decode_row(a.geometry, a.groups, a.group, rows, variant=variant,
+                                       error=f"{type(err).__name__}: {first}"[:500]))
             print(json.dumps({**rows_out[-1], "error": repr(err)[:2000]}), flush=True)
             emit(rows_out)
             continue
         work = step_work(model, engine.pool, rows, a.context, a.own + (a.warmup + a.steps) // 2)
         peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         rows_out.append(decode_row(a.geometry, a.groups, a.group, rows, per_step, work.floor_s(bandwidth, peak),
-                                   peak_bytes, first_step_s=first_s, weight_bytes=work.weight_bytes,
+                                   peak_bytes, variant=variant, first_step_s=first_s, weight_bytes=work.weight_bytes,
                                    kv_bytes=work.kv_bytes, flops=work.flops))
         print(json.dumps(rows_out[-1]), flush=True)
         emit(rows_out)
@@ -233,6 +238,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="no compile, no CUDA graph: launch every kernel each step")
+    ap.add_argument("--whole-layer", action="store_true", help="RolloutEngine(whole_layer_graphs=True): each layer "
+                    "one compiled graph instead of three pieces")
     ap.add_argument("--out", default="")
     ap.add_argument("--watchdog-s", type=int, default=170, help="dump stacks and exit if still running")
     return ap.parse_args(SMOKE + argv if "--smoke" in argv else argv)  # the arguments given win over SMOKE's
@@ -259,6 +266,7 @@ def run(a, argv: list[str]) -> dict:
     info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "geometry": a.geometry, "groups": a.groups, "group": a.group, "context": a.context, "own": a.own,
             "cuda_graph": engine.use_graphs, "compiled": engine.use_compile, "kernel": engine.decode_kernel,
+            "whole_layer": a.whole_layer,
             "copy_bandwidth_GBps": bandwidth / 1e9, "matmul_peak_TFLOPs": peak / 1e12}
 
     def emit(rows: list[dict]) -> dict:

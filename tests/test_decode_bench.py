@@ -52,20 +52,21 @@ def test_decode_rows_follow_results_md():
     assert not failed["ok"] and failed["error"].startswith("OutOfMemoryError") and failed["step_s"] == 0.0
 
 
-def test_the_decode_step_of_decode_gpu_sh_is_a_command_decode_bench_accepts(tmp_path):
-    """decode_gpu.sh's `decode` step (printed with DRY=1) parses, times every ladder size of the 64 x 8 pool, and its
-    watchdog fires before the call's timeout, itself well inside a short device call."""
+@pytest.mark.parametrize("step", ["decode", "decode-whole-layer"])
+def test_the_decode_steps_of_decode_gpu_sh_are_commands_decode_bench_accepts(step, tmp_path):
+    """decode_gpu.sh's `decode` steps (printed with DRY=1) parse, time every ladder size of the 64 x 8 pool, and
+    their watchdog fires before the call's timeout, itself well inside a short device call."""
     import os
     import shlex
     import subprocess
     from pathlib import Path
 
     env = {**os.environ, "DRY": "1", "OUT": str(tmp_path)}
-    printed = subprocess.run(["bash", "benchmarks/decode_gpu.sh", "decode"], capture_output=True, text=True, env=env,
+    printed = subprocess.run(["bash", "benchmarks/decode_gpu.sh", step], capture_output=True, text=True, env=env,
                              check=True, cwd=Path(decode_bench.__file__).parents[1]).stdout
     words = shlex.split(printed)
     assert words[:3] == ["timeout", "-k", "10"] and int(words[3]) <= 300
     a = decode_bench.parse(words[words.index("benchmarks/decode_bench.py") + 1:])
     assert a.watchdog_s < int(words[3]) and not a.smoke and a.geometry == "7B"
     assert a.rows == [8, 16, 32, 64, 128, 192, 256, 384, 512] == [r for r in a.rows if r <= a.groups * a.group]
-    assert a.out.startswith(str(tmp_path))
+    assert a.out.startswith(str(tmp_path)) and a.whole_layer == (step == "decode-whole-layer")

@@ -213,27 +213,31 @@ def test_an_evaluation_decodes_on_the_training_pool(setup):
 
 def cache_entries() -> dict[str, int]:
     pieces = (decode_step.step_in, decode_step.layer_in, decode_attention.attend, decode_step.layer_out,
-              decode_step.step_out)
+              decode_step.layer_step, decode_step.step_out)
     return {fn.__name__: len(_debug_get_cache_entry_list(fn)) for fn in pieces}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel,backend", [("matmul", "inductor"), ("flex", "aot_eager")])
-def test_decode_pieces_compile_once_for_every_ladder_size_and_layer(setup, kernel, backend):
+@pytest.mark.parametrize("kernel,backend,whole_layer", [("matmul", "inductor", False), ("flex", "aot_eager", False),
+                                                        ("matmul", "aot_eager", True)])
+def test_decode_pieces_compile_once_for_every_ladder_size_and_layer(setup, kernel, backend, whole_layer):
     """Compiled (inductor's CPU backend; flex, whose CPU lowering has no log-sum-exp, traced by dynamo and AOT
-    autograd and run eagerly): one graph of each piece serves every ladder size (12, 8, 4, 2 rows) and every layer
-    with the samples of the eager full pool; an evaluation on the training pool adds only a sampling graph."""
+    autograd and run eagerly): one graph of each piece (or of the whole layer) serves every ladder size (12, 8, 4, 2
+    rows) and every layer with the samples of the eager full pool; an evaluation on the training pool adds only a
+    sampling graph."""
     model, prompts, eos = setup
     params = long_tailed(model, eos, max_new=10)
     want, _, _ = generate(model, prompts, params, decode_kernel=kernel, ladder=FULL_POOL)
     torch._dynamo.reset()
     engine = RolloutEngine(model, kv_pool_bytes=POOL, compile_decode=True, decode_kernel=kernel, ladder=(2, 4, 8))
-    engine.pieces = DecodePieces(True, backend=backend)
+    engine.pieces = DecodePieces(True, backend=backend, whole_layer=whole_layer)
     rows = []
     got = engine.generate(prompts, params, on_step=lambda info: rows.append(info.rows))
     assert set(rows) == {12, 8, 4, 2}
     assert_same_samples(got, want)
-    assert cache_entries() == dict.fromkeys(("step_in", "layer_in", "attend", "layer_out", "step_out"), 1)
+    layers = {"layer_step": 1} if whole_layer else {"layer_in": 1, "attend": 1, "layer_out": 1}
+    expected = dict.fromkeys(("step_in", "layer_in", "attend", "layer_out", "layer_step", "step_out"), 0)
+    assert cache_entries() == {**expected, "step_in": 1, "step_out": 1, **layers}
     engine.release()
     engine.generate(prompts[:2], SamplingParams(n=1, greedy=True, max_new_tokens=6, stop_token_ids=[eos]))
-    assert cache_entries() == {"step_in": 1, "layer_in": 1, "attend": 1, "layer_out": 1, "step_out": 2}
+    assert cache_entries() == {**expected, "step_in": 1, "step_out": 2, **layers}

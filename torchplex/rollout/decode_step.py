@@ -18,6 +18,9 @@ addresses). A rollout after a release therefore costs one capture per ladder siz
 and one captured run of the step (`RolloutStats.captures`, `capture_s`); the graphs of one storage share one memory
 pool, so together they hold about what the largest one does. A step is then: six small input copies, one replay,
 and two index writes of the sampled tokens and log-probs (DecodeState.advance); no host sync.
+The price of the split is fusion across the pieces' borders (a few more small kernels per layer). `whole_layer`
+compiles each layer's three as one graph instead (`layer_step`: fused borders, compiled once per pool geometry,
+the layer pieces then no longer shared across geometries); benchmarks/decode_bench.py --whole-layer times it.
 """
 
 from __future__ import annotations
@@ -70,6 +73,14 @@ def layer_out(layer, h, out):
     return layer.attention_outputs(h, out)
 
 
+def layer_step(shape: PoolShape, layer, h, cos, sin, fused_qkv: bool, prefix_k, prefix_v, suffix_k, suffix_v,
+               slot_of_row, write_at, masks):
+    """layer_in, attend and layer_out of one layer, as one function (DecodePieces(whole_layer=True))."""
+    q, k, v = layer_in(layer, h, cos, sin, fused_qkv)
+    out = attend(shape, q, k, v, prefix_k, prefix_v, suffix_k, suffix_v, slot_of_row, write_at, masks)
+    return layer_out(layer, h, out)
+
+
 def step_out(model, params: SamplingParams, h, seeds, gen_count, active, last_token, stop_ids):
     """(token, its log-prob, the output column it goes to, and the rows' next last token, count and activity).
     A finished row's token goes to the dummy column `max_new_tokens`, so writing it needs no read of the old value."""
@@ -84,12 +95,23 @@ class DecodePieces:
     """The step's pieces, eager or compiled (module docstring). One object per engine; dynamo keeps each piece's
     graphs on its code object, so engines with the same options share them."""
 
-    def __init__(self, compiled: bool, options: dict | None = None, backend: str = "inductor"):
-        self.compiled = compiled
+    def __init__(self, compiled: bool, options: dict | None = None, backend: str = "inductor",
+                 whole_layer: bool = False):
+        self.compiled, self.whole_layer = compiled, whole_layer
         wrap = ((lambda fn: torch.compile(fn, backend=backend, dynamic=False, options=options)) if compiled
                 else (lambda fn: fn))
         self.step_in, self.layer_in, self.attend = wrap(step_in), wrap(layer_in), wrap(attend)
-        self.layer_out, self.step_out = wrap(layer_out), wrap(step_out)
+        self.layer_out, self.step_out, self.layer_step = wrap(layer_out), wrap(step_out), wrap(layer_step)
+
+    def layer(self, shape, layer, h, cos, sin, fused_qkv, pool_kv, slot_of_row, write_at, masks):
+        """One decoder layer over the rows: three pieces, or one (whole_layer)."""
+        rows = self.rows
+        if self.whole_layer:
+            return self.layer_step(shape, layer, *rows(h, cos, sin), fused_qkv, *pool_kv,
+                                   *rows(slot_of_row, write_at), masks)
+        q, k, v = self.layer_in(layer, *rows(h, cos, sin), fused_qkv)
+        out = self.attend(shape, *rows(q, k, v), *pool_kv, *rows(slot_of_row, write_at), masks)
+        return self.layer_out(layer, *rows(h, out))
 
     def rows(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The tensors, their first (row) dimension marked dynamic for the compiler: one graph for every B."""
@@ -106,10 +128,8 @@ def decode_rows(pieces: DecodePieces, model, pool, shape: PoolShape, params: Sam
     h, cos, sin, write_at, masks = pieces.step_in(model, shape, *rows(slot_of_row, last_token, gen_count, start_pos),
                                                   pool.prompt_len)
     for i, layer in enumerate(model.layers):
-        q, k, v = pieces.layer_in(layer, *rows(h, cos, sin), fused_qkv)
-        out = pieces.attend(shape, *rows(q, k, v), pool.prefix_k[i], pool.prefix_v[i], pool.suffix_k[i],
-                            pool.suffix_v[i], *rows(slot_of_row, write_at), masks)
-        h = pieces.layer_out(layer, *rows(h, out))
+        pool_kv = pool.prefix_k[i], pool.prefix_v[i], pool.suffix_k[i], pool.suffix_v[i]
+        h = pieces.layer(shape, layer, h, cos, sin, fused_qkv, pool_kv, slot_of_row, write_at, masks)
     return pieces.step_out(model, params, *rows(h, seeds, gen_count, active, last_token), stop_ids)
 
 

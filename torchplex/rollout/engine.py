@@ -69,7 +69,7 @@ class RolloutEngine:
                  compile_decode: bool | None = None, prefill_tokens: int = 16384, check_interval: int | None = None,
                  pad_id: int = 0, decode_kernel: str | None = None, flex_options: dict | None = None,
                  decode_priority: bool = False, fused_qkv: bool | None = None, compile_options: dict | None = None,
-                 ladder: Sequence[int] = DEFAULT_LADDER):
+                 ladder: Sequence[int] = DEFAULT_LADDER, whole_layer_graphs: bool = False):
         self.model = model
         self.kv_pool_bytes = int(kv_pool_bytes)
         self.max_batch = max_batch
@@ -91,7 +91,9 @@ class RolloutEngine:
         # compile_options: inductor options of the decode pieces' torch.compile, e.g. {"max_autotune_gemm": True}
         # (inductor benchmarks Triton GEMM templates against cuBLAS per shape: minutes more compilation).
         self.compile_options = compile_options
-        self.pieces = DecodePieces(self.use_compile, compile_options)
+        # whole_layer_graphs: each decoder layer's decode as one compiled graph (decode_step.layer_step) instead of
+        # three pieces: fusion across their borders, a compilation of the layer per pool geometry
+        self.pieces = DecodePieces(self.use_compile, compile_options, whole_layer=whole_layer_graphs)
         # ladder: the row counts a decode step may run at (rollout/ladder.py); a pool's rungs are those below its
         # slot count and the slot count itself. An empty ladder runs every slot at every step.
         self.ladder = tuple(ladder)
