@@ -450,7 +450,7 @@ class Trainer:
         })
         metrics.update(self._token_metrics(out.report))
         metrics.update(self._flops_metrics(out))
-        metrics.update({k: v - decode_before[k] for k, v in self._decode_counters().items()})
+        metrics.update({k: v - decode_before.get(k, 0.0) for k, v in self._decode_counters().items()})
         for name, values in exp.reward_parts.items():
             metrics[f"reward/{name}"] = self._mean(values)
         if result.stats is not None:
@@ -502,12 +502,19 @@ class Trainer:
         return {f"flops/{n}_tflop": t for n, t in zip(names, totals)}
 
     def _decode_counters(self) -> dict[str, float]:
-        """The native engine's running decode counters (seconds, steps, tokens generated); none for SGLang."""
+        """The native engine's running decode counters (seconds, steps, tokens generated, rows decoded over the steps,
+        CUDA graphs captured and their seconds, steps per ladder size `rollout/decode_rows/<rows>`); none for
+        SGLang."""
         stats = getattr(self.engine, "stats", None)
         if not hasattr(stats, "decode_steps"):  # SGLang's engine keeps no decode-loop counters
             return {}
         return {"rollout/decode_s": stats.decode_s, "rollout/decode_steps": float(stats.decode_steps),
-                "rollout/generated_tokens": float(stats.generated_tokens)}
+                "rollout/generated_tokens": float(stats.generated_tokens),
+                "rollout/row_steps": float(getattr(stats, "row_steps", 0)),
+                "rollout/captures": float(getattr(stats, "captures", 0)),
+                "rollout/capture_s": float(getattr(stats, "capture_s", 0.0)),
+                **{f"rollout/decode_rows/{rows}": float(steps)
+                   for rows, steps in getattr(stats, "decode_rows", {}).items()}}
 
     def _token_metrics(self, report) -> dict[str, float]:
         """Decoder token-forwards of this step's scoring (reference + actor), and what serial would have run."""
