@@ -450,7 +450,9 @@ class Trainer:
         })
         metrics.update(self._token_metrics(out.report))
         metrics.update(self._flops_metrics(out))
-        metrics.update({k: v - decode_before.get(k, 0.0) for k, v in self._decode_counters().items()})
+        decoded = {k: v - decode_before.get(k, 0.0) for k, v in self._decode_counters().items()}
+        # the ladder sizes this step decoded at (a size met only in earlier steps is not this step's metric)
+        metrics.update({k: v for k, v in decoded.items() if v or not k.startswith("rollout/decode_rows/")})
         for name, values in exp.reward_parts.items():
             metrics[f"reward/{name}"] = self._mean(values)
         if result.stats is not None:
