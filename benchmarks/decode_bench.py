@@ -3,7 +3,7 @@
     python benchmarks/decode_bench.py --geometry 7B --groups 64 --group 8 --context 1050 --own 256 \
         --rows 8 16 32 64 128 192 256 384 512 --steps 32 --watchdog-s 170 --out decode-<date>-ladder.json
 
-(meant to finish within two minutes on one H100 or H200, the first size's compilation included; `--whole-layer`
+(meant to finish within two minutes on one GPU, the first size's compilation included; `--whole-layer`
 times the engine with each layer one compiled graph instead of three pieces; `--smoke` runs the debug geometry
 eagerly on the CPU in seconds, as tests/test_decode_bench.py does.)
 

@@ -26,11 +26,10 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 DECODE_KERNELS = ("matmul", "flex")
 FLEX_BLOCK = 128  # K/V block of the flex kernels' block masks
-# Kernel options of the prompt call. Measured on an H200 (benchmarks/probes/flex_decode_tune.py, 7B geometry, 2048
-# prompt tokens, 7 query rows per K/V head): 64 groups x 4 heads ran faster with 64-key blocks, 3 pipeline stages and
-# 4 warps than with 2 warps, alone and inside the whole decode step; 256 groups were within 1 % either way; more
-# split-K partitions were slower at both sizes. All three are given: inductor's own default on sm_90 has a single
-# stage, and num_warps=4 alone ran the whole step at flex's default speed (docs/benchmarks.md).
+# Kernel options of the prompt call, tuned with benchmarks/probes/flex_decode_tune.py at the 7B geometry (7 query rows
+# per K/V head): 64-key blocks, 3 pipeline stages and 4 warps beat flex's defaults alone and inside the whole decode
+# step, and more split-K partitions did not. All three are given: inductor's own default on sm_90 has a single
+# stage, and num_warps=4 alone left the step at flex's default speed (docs/benchmarks.md has the numbers).
 FLEX_PROMPT_OPTIONS = {"BLOCK_N": 64, "num_stages": 3, "num_warps": 4}
 
 

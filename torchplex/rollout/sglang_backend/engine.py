@@ -94,10 +94,10 @@ def engine_settings(model_path: str, *, tp_size: int, dtype: str, mem_fraction: 
                     base_gpu_id: int = 0, deterministic: bool = False) -> dict:
     """`sglang.Engine` keyword arguments. By default SGLang's usual fast configuration: CUDA graphs and the radix
     cache (its defaults, left on), FlashInfer text attention (`FAST_ATTENTION_BACKEND`), its default sampler; the
-    vision tower's attention stays "triton_attn", seen working on the H200 (a small share of a rollout). Beside
+    vision tower's attention stays "triton_attn", seen working on the GPU machine (a small share of a rollout). Beside
     them only what this backend needs: the memory saver (release/resume free the KV cache and the weights), no
     grammar backend, no server warm-up. deterministic (rollout.sglang_deterministic): deterministic inference with
-    the triton attention backend and the pytorch sampler, the settings seen working on the H200, under which
+    the triton attention backend and the pytorch sampler, the settings seen working there (SGLANG.md), under which
     `sampling_seed` reproduces a sample."""
     settings = dict(model_path=str(model_path), tp_size=tp_size, base_gpu_id=base_gpu_id, dtype=dtype,
                     random_seed=seed, mem_fraction_static=mem_fraction, attention_backend=FAST_ATTENTION_BACKEND,
