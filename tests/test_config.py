@@ -451,7 +451,6 @@ def test_a_config_with_data_file_patterns_saves_and_loads_again(tmp_path):
     assert again.data.train_files == [f"{tmp_path}/train-*.parquet"] and Path(again.data.eval_files[0]).is_absolute()
 
 
-
 # ---- reward functions, resolved and checked with the config (issue 47, defect 4) ----------------------------------
 USER_REWARD = "def brevity(prompts, responses, answers, records):\n    return [1.0 for _ in responses]\n"
 
