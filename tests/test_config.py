@@ -451,14 +451,6 @@ def test_a_config_with_data_file_patterns_saves_and_loads_again(tmp_path):
     assert again.data.train_files == [f"{tmp_path}/train-*.parquet"] and Path(again.data.eval_files[0]).is_absolute()
 
 
-def test_compact_decode_with_the_sglang_backend_fails_at_load_naming_both_keys():
-    """rollout.compact_decode is the native engine's; with SGLang it would be ignored silently."""
-    with pytest.raises(ConfigError, match=r"rollout\.compact_decode.*rollout\.backend"):
-        load_file(str(REPO / "train_configs" / "debug.toml"), "--rollout.compact_decode=true",
-                  "--rollout.backend=sglang")
-    assert load_file(str(REPO / "train_configs" / "debug.toml"), "--rollout.compact_decode=true").rollout.compact_decode
-
-
 # ---- reward functions, resolved and checked with the config (issue 47, defect 4) ----------------------------------
 USER_REWARD = "def brevity(prompts, responses, answers, records):\n    return [1.0 for _ in responses]\n"
 
