@@ -23,8 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from distributed_helpers import free_port, init_gloo, spawn
 from torchplex.distributed.mesh import ParallelDims, build_parallel_dims
-from torchplex.distributed.weight_sharing import (
-    RolloutLayout, ShardLayout, ShareKind, ShareReport, WeightSharer, classify, plan_sharing, shares_storage)
+from torchplex.distributed.weight_layout import (
+    RolloutLayout, ShardLayout, ShareKind, ShareReport, classify, plan_sharing)
+from torchplex.distributed.weight_sharing import WeightSharer, shares_storage
 from torchplex.models.qwen2_5_vl.args import get_flavor
 from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel
 from torchplex.distributed.fsdp import reshard
