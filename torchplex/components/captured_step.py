@@ -1,5 +1,5 @@
-"""One function of fixed-shape tensors captured as a CUDA graph and replayed: the rollout's decode step, the
-reference's prefix forward per prompt-length bucket."""
+"""One function of fixed-shape tensors captured as a CUDA graph and replayed: the rollout's decode step, one graph
+per ladder size."""
 
 from __future__ import annotations
 

@@ -29,14 +29,14 @@ FLEX_BLOCK = 128  # K/V block of the flex kernels' block masks
 # Kernel options of the prompt call, tuned with benchmarks/probes/flex_decode_tune.py at the 7B geometry (7 query rows
 # per K/V head): 64-key blocks, 3 pipeline stages and 4 warps beat flex's defaults alone and inside the whole decode
 # step, and more split-K partitions did not. All three are given: inductor's own default on sm_90 has a single
-# stage, and num_warps=4 alone left the step at flex's default speed (docs/benchmarks.md has the numbers).
+# stage, and num_warps=4 alone left the step at flex's default speed.
 FLEX_PROMPT_OPTIONS = {"BLOCK_N": 64, "num_stages": 3, "num_warps": 4}
 
 
 def prompt_split_kv(groups: int, kv_heads: int, device: torch.device) -> int | None:
     """Split-K partitions of the prompt call where flex's own choice (two per SM over groups x K/V heads) is four or
     more: one per SM. With few groups (GRPO pools of n = 8) each partition's fp32 partial output is written and
-    reduced again, and halving flex's count was faster (flex_decode_tune.py --shapes n8, docs/benchmarks.md).
+    reduced again, and halving flex's count was faster (flex_decode_tune.py --shapes n8).
     None: flex's own choice (many groups, where it is 1 or 2)."""
     if device.type != "cuda":
         return None

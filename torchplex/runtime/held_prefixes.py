@@ -41,8 +41,8 @@ def held_forms_after_prefill(forms: list[PrefixChoice], prompts: list, store: Pr
 
 class TrainPrefixes:
     """One step's training-held actor prefixes: which prompt is held in which form and round, and `hold_round(r)`,
-    which runs round r's batched forwards (measured in the "prefix_forward" window). `forms` records the forms
-    the forwards really held (`held_train_forms`); `reasons` gets a line for every form that differs from the plan."""
+    which runs round r's batched forwards (measured in the "prefix_forward" window). `held_train_forms` records the
+    forms the forwards really held; `reasons` gets a line for every form that differs from the plan."""
 
     def __init__(self, scorer, actor, prompts: list, plan, prefill_forms: list[PrefixChoice], keep_groups: list[bool],
                  prefixes: PrefixStore, windows, compact_rate: float, reasons: list[str], *, dp_size: int = 1,

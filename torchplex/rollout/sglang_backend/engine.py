@@ -10,7 +10,7 @@ trainable ones (a frozen vision tower is not sent again).
 Capabilities (declared, the planner reads them): the model runs in SGLang's scheduler process, so there is no
 prefill hook (no fused actor prefix), no per-decode-step hook, and finished samples are not streamed back (one
 `async_generate` call per sample, all awaited together; handing finished ones on early is future work). The trainer's
-prefix and reference work therefore run after rollout, and the schedule says why. Running such work beside SGLang's
+prefix and reference work therefore run after rollout, and the plan says why. Running such work beside SGLang's
 decode anyway (from a second host thread of this process, as the decode window does) hid little of it: without MPS
 the two processes time-slice the GPU, and with an MPS daemon at most about a third of the prefix work was hidden
 (docs/sglang.md, benchmarks/probes/sglang_overlap.py). That does not pay for holding its results through the
