@@ -1,9 +1,10 @@
 """What the step runtime asks of a rollout engine, and what each engine declares it supports.
 
-The shape follows verl's `BaseRollout` (generate, update weights, release, resume): the runtime calls
-`update_weights()` before a rollout whose policy changed since the last one, `generate` to sample, `release()`
-to hand the engine's memory (KV pool, gathered weights) back for the phases after rollout, and `resume()` before
-the next generate. Engines whose weights are the actor's own storage do nothing in `update_weights`.
+The shape follows verl's `BaseRollout` (generate, update weights, release, resume): the step calls `generate` to
+sample and `release()` to hand the engine's memory (KV pool, gathered weights) back for the phases after rollout.
+`generate` itself takes back what it needs (`resume()`) and, in an engine with weights of its own (SGLang, a
+rollout model at another TP degree), first brings them to the actor's current weights (`update_weights()`), so a
+step cannot sample from a stale policy. Engines whose weights are the actor's own storage do nothing in either.
 
 Capabilities are declared, not discovered: the planner (runtime/plan.py) places fused or decode-window work
 only where the engine supports it and records in the plan why it did not otherwise. An engine given a hook it
