@@ -25,16 +25,18 @@ PHASES = ("data", "vision", "rollout", "ref", "train")
 def random_checkpoint(root: str | Path, flavor: str, mean_response: int, smoke: bool = False) -> Path:
     """The random checkpoint of `flavor` with stop tokens for responses of `mean_response` tokens on average
     (tools/make_tiny_checkpoint.py: Qwen2.5's vocabulary, bf16, made on the GPU), written once under `root`;
-    `smoke`: the tiny debug checkpoint instead (CPU)."""
-    from torchplex.models.qwen2_5_vl.tiny_checkpoint import make_tiny_checkpoint
-
+    `smoke`: the tiny debug checkpoint instead (CPU). Written by the tool in a process of its own: the GPU memory it
+    used (and its CUDA context) must not stay in this process beside the runs, which size their memory budget from
+    what the device has free."""
     size = "debug" if smoke else flavor
     path = Path(root) / f"ckpt-{size}-mean{mean_response}"
     if not (path / "config.json").is_file():
         t = time.perf_counter()
-        ckpt = make_tiny_checkpoint(path, size=size, full_vocab=not smoke, dtype="float32" if smoke else "bfloat16",
-                                    device=None if smoke else "cuda", mean_response=mean_response)
-        print(f"[bench] {ckpt.summary()} in {time.perf_counter() - t:.1f}s", flush=True)
+        cmd = [sys.executable, str(ROOT / "tools" / "make_tiny_checkpoint.py"), "--output", str(path), "--size", size,
+               "--mean-response", str(mean_response)]
+        cmd += ["--dtype", "float32"] if smoke else ["--full-vocab", "--dtype", "bfloat16", "--device", "cuda"]
+        subprocess.run(cmd, cwd=ROOT, check=True)
+        print(f"[bench] random {size} checkpoint {path} in {time.perf_counter() - t:.1f}s", flush=True)
     return path
 
 
