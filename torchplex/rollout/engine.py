@@ -25,6 +25,7 @@ from ..components.captured_step import CAPTURE_ROOM, CapturedStep, plain_tensors
 from ..data.batching import collate, encode_visuals
 from ..distributed.fsdp import gathered
 from ..models.attention import PrefixState
+from ..models.qwen2_5_vl.parallelize import heads_per_rank
 from .decode_attention import DECODE_KERNELS, FLEX_PROMPT_OPTIONS
 from .decode_loop import DecodeLoop, DecodeStepInfo, Hooks
 from .decode_state import SampleOutput
@@ -134,6 +135,11 @@ class RolloutEngine:
         return (self.use_compile and self.device.type == "cuda" and plain) if fused_qkv is None else fused_qkv
 
     # ---- pool lifetime -------------------------------------------------------------------------------
+    @property
+    def num_kv_heads(self) -> int:
+        """The K/V heads this rank's attention projects, what the pool stores: a TP'd model's over its degree."""
+        return heads_per_rank(self.model)[1]
+
     def _new_storage(self) -> None:
         """The pool's tensors changed (or are gone): captured graphs must not keep the old addresses."""
         for step in self._steps.values():
@@ -155,7 +161,7 @@ class RolloutEngine:
             # kv_pool_bytes 0 (rollout.kv_pool_gib 0, before the runner sized it from the memory budget, e.g. an
             # evaluation before the first step): what this call's groups need
             budget = self.kv_pool_bytes or max_groups * self.pool_group_bytes(n, max_prompt, max_new)
-            pool = GroupKVPool(num_layers=t.num_layers, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, n=n,
+            pool = GroupKVPool(num_layers=t.num_layers, num_kv_heads=self.num_kv_heads, head_dim=t.head_dim, n=n,
                                max_prompt=max_prompt, max_new=max_new, budget_bytes=budget,
                                max_groups=max_groups, dtype=self._pool_dtype(), device=self.device)
             self._new_storage()
@@ -186,7 +192,7 @@ class RolloutEngine:
         what the memory budget sizes the pool in."""
         t = self.model.args.text
         max_prompt = -(-max_prompt // PROMPT_BUCKET) * PROMPT_BUCKET
-        return GroupKVPool.group_bytes(t.num_layers, t.num_kv_heads, t.head_dim, n, max_prompt, max_new,
+        return GroupKVPool.group_bytes(t.num_layers, self.num_kv_heads, t.head_dim, n, max_prompt, max_new,
                                        self._pool_dtype())
 
     def release(self) -> None:

@@ -192,10 +192,17 @@ def train_tokenizer(target_vocab_size: int = TARGET_VOCAB_SIZE, full_vocab: bool
 
 
 def model_args_for(tokenizer, size: str = "debug", tie_word_embeddings: bool | None = None,
-                   window_size: int | None = None, full_vocab: bool = False) -> ModelArgs:
+                   window_size: int | None = None, full_vocab: bool = False,
+                   num_kv_heads: int | None = None) -> ModelArgs:
     """`get_flavor(size)` with token ids taken from the tokenizer and the vocab sized to it (rounded up to 64), or,
-    `full_vocab`, the flavor's published vocabulary."""
+    `full_vocab`, the flavor's published vocabulary. `num_kv_heads` overrides the decoder's K/V head count (a
+    divisor of its query heads): another GQA ratio at the same size, e.g. 2 K/V heads per rank under TP 2."""
     args = get_flavor(size)
+    if num_kv_heads is not None:
+        if num_kv_heads < 1 or args.text.num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads {num_kv_heads} must divide the {size!r} flavor's "
+                             f"{args.text.num_heads} query heads")
+        args.text.num_kv_heads = num_kv_heads
     if not full_vocab:
         args.text.vocab_size = -(-len(tokenizer) // 64) * 64
     elif args.text.vocab_size < len(tokenizer):
@@ -386,6 +393,7 @@ def make_tiny_checkpoint(
     device: str | None = None,
     dtype: str = "float32",
     mean_response: int = 0,
+    num_kv_heads: int | None = None,
 ) -> TinyCheckpoint:
     """Write tokenizer, processor, config and seeded random weights to `output`; returns a summary.
 
@@ -397,7 +405,8 @@ def make_tiny_checkpoint(
     tokens for long-tailed random responses (`long_tail_stops`).
 
     `max_shard_size` (e.g. "200KB"; bytes with `device`) writes `model.safetensors.index.json` plus shards; None
-    writes a single `model.safetensors`. `tie_word_embeddings`/`window_size` override the flavor's values.
+    writes a single `model.safetensors`. `tie_word_embeddings`/`window_size`/`num_kv_heads` override the flavor's
+    values.
     """
     published = full_vocab  # the processors' pixel budgets: Qwen's own, or the tiny ones
     min_pixels = min_pixels or (QWEN_MIN_PIXELS if published else DEFAULT_MIN_PIXELS)
@@ -407,7 +416,8 @@ def make_tiny_checkpoint(
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(full_vocab=full_vocab)
-    args = model_args_for(tokenizer, size, tie_word_embeddings, window_size, full_vocab=full_vocab)
+    args = model_args_for(tokenizer, size, tie_word_embeddings, window_size, full_vocab=full_vocab,
+                          num_kv_heads=num_kv_heads)
     hf_config, config = _hf_configs(args, dtype)
     generation = _generation_config(args, mean_response)
 
