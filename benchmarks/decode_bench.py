@@ -1,19 +1,27 @@
-"""Decode-step speed of the native rollout engine against its bandwidth floor and transformers' generate.
+"""Decode step time of the native rollout engine at each ladder size, against that size's floor.
 
-    python benchmarks/decode_bench.py --geometry 7B --batch 64 256 --group 1 8 --context 2048 --steps 64 --hf \
-        --hf-batch 64 256
+    python benchmarks/decode_bench.py --geometry 7B --groups 64 --group 8 --context 1050 --own 256 \
+        --rows 8 16 32 64 128 192 256 384 512 --steps 32 --watchdog-s 170 --out decode-<date>-ladder.json
 
-Random bf16 weights with the Qwen2.5-VL language geometry (the vision tower plays no part in decode and is cut
-to one block). A batch of B sequences is B/n prompt groups of n samples (`--group`): n=1 gives every sequence its
-own 2048-token context, n=8 is a GRPO rollout (8 samples of each prompt reading that prompt's one copy of K/V).
-The contexts are already in the KV pool, so the timed loop is pure decode: embed, 28 layers over the cache, LM
-head, sampling. The floor is the bytes one step must read (weights + every prompt's K/V, once) over the copy
-bandwidth measured in the same process. transformers runs `generate` on B sequences of the same length (it has no
-shared-prefix decode: a group of n samples is n sequences with n copies of the prompt's K/V, the same work as B
-distinct prompts); its per-step time is the median time between two of its generated tokens inside one `generate`
-call (a stopping criterion that only timestamps each step).
-Also runs a long loop of replays (--long-steps) under a watchdog, since long CUDA-graph replay loops hung on
-this machine before (../shared/probes/FINDINGS.md).
+(meant to finish within two minutes on one GPU, the first size's compilation included; `--whole-layer`
+times the engine with each layer one compiled graph instead of three pieces; `--smoke` runs the debug geometry
+eagerly on the CPU in seconds, as tests/test_decode_bench.py does.)
+
+Random bf16 weights of the Qwen2.5-VL language geometry (the vision tower plays no part in decode and is cut to one
+block). The KV pool is a GRPO rollout's: `--groups` prompt groups of `--group` samples, every prompt `--context`
+tokens already in the pool. A step of B rows decodes B samples spread over the groups first (row r: sample r // groups
+of group r % groups, like a long-tailed rollout's tail, where most groups still have a live sample), each `--own` tokens
+into its response: the rollout's own step (rollout/decode_step.py: its pieces compiled, one CUDA graph per size)
+and its per-step bookkeeping (DecodeState.advance), nothing else. Sizes run from the largest down, as a rollout
+meets them, so the graphs share one memory pool sized by the first.
+
+The floor of a size is the larger of
+  bytes / copy bandwidth: every weight the step reads (the decoder layers, the final norm and the LM head; of the
+      embedding table only B rows) plus the K/V it attends to (the prompts of the groups with a row, once each, and
+      each row's own tokens), over the bandwidth of a large device copy (read + write counted), and
+  FLOPs / matmul peak: 2 x those weights' parameters per row plus the attention (4 x heads x head_dim per key per
+      layer), over the FLOP/s of a large bf16 matmul,
+both measured in this process. `floor_fraction` is the floor over the measured step time.
 """
 
 from __future__ import annotations
@@ -21,10 +29,10 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,170 +42,134 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from step_bench import bench_flavor  # noqa: E402
 from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel  # noqa: E402
+from torchplex.rollout.decode_state import DecodeState  # noqa: E402
 from torchplex.rollout.engine import RolloutEngine  # noqa: E402
+from torchplex.rollout.ladder import pool_ladder  # noqa: E402
 from torchplex.rollout.sampling import SamplingParams  # noqa: E402
 
+SMOKE = ["--geometry", "debug", "--groups", "2", "--group", "2", "--context", "40", "--own", "4",
+         "--rows", "1", "2", "4", "--steps", "2", "--warmup", "1"]
 
-def copy_bandwidth(device) -> float:
-    """Bytes/s of a large device-to-device copy (read + write counted)."""
-    x = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device, nbytes: int = 2 * 2**30, reps: int = 20) -> float:
+    """Bytes/s of a large device copy (read + write counted), the median of `reps`."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    for _ in range(3):
+    times = []
+    for i in range(reps + 3):
+        sync(device)
+        t = time.perf_counter()
         y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    reps = 20
-    for _ in range(reps):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * reps / (time.perf_counter() - t)
+        sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t)
+    return 2 * nbytes / statistics.median(times)
 
 
-def native_decode(model, batch: int, context: int, steps: int, warmup: int, compile_decode: bool,
-                  kernel: str | None = None, graphs: bool = True, profile_dir: str = "",
-                  flex_options: dict | None = None, group: int = 1, fused_qkv: bool | None = None,
-                  compile_options: dict | None = None):
-    """Seconds per decode step (and the first step's seconds: compilation + capture) of `batch` sequences in
-    groups of `group` samples sharing one prompt context."""
-    args = model.args
-    if batch % group:
-        raise ValueError(f"--batch {batch} is not a multiple of --group {group}")
-    engine = RolloutEngine(model, kv_pool_bytes=200 * 2**30, max_batch=batch, compile_decode=compile_decode,
-                           decode_kernel=kernel, flex_options=flex_options, fused_qkv=fused_qkv,
-                           compile_options=compile_options)
-    if engine.fused_qkv:
-        model.fuse_qkv()  # what generate() does before decoding
-    engine.use_graphs = engine.use_graphs and graphs
-    max_new = steps + warmup + 2 + 4  # 4: the profiled steps
-    pool = engine._pool_for(group, context, max_new, batch // group)
-    pool.prompt_len[:] = context
-    for t in pool.prefix_k + pool.prefix_v:
-        t.normal_(0, 1)
-    params = SamplingParams(n=group, temperature=1.0, max_new_tokens=max_new, seed=0)
-    step_fn = engine._step(params)
-    dev = model.output_weight.device
-    tokens = torch.randint(0, args.text.vocab_size, (batch,), device=dev)
-    seeds = torch.arange(batch, device=dev)
-    start = torch.full((batch,), context, device=dev)
-
-    def run(i):
-        nonlocal tokens
-        count = torch.full((batch,), i + 1, device=dev)
-        tok, lp = step_fn(params, tokens, start + i, count - 1, seeds, count)
-        tokens = tok.clone()
-
-    t = time.perf_counter()
-    run(0)
-    torch.cuda.synchronize()
-    first_s = time.perf_counter() - t
-    for i in range(1, warmup):
-        run(i)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for i in range(warmup, warmup + steps):
-        run(i)
-    torch.cuda.synchronize()
-    per_step = (time.perf_counter() - t) / steps
-    if profile_dir:
-        kernel_table(lambda: [run(warmup + steps + i) for i in range(4)], Path(profile_dir),
-                     f"b{batch}_n{group}_{engine.decode_kernel}" + ("_autotune" if compile_options else ""))
-    kv_bytes = sum(x.numel() * x.element_size() for x in pool.prefix_k + pool.prefix_v)
-    engine.release()
-    return per_step, kv_bytes, first_s
+def matmul_peak(device, n: int = 8192, reps: int = 10) -> float:
+    """FLOP/s of a large dense matmul (bf16 on CUDA, fp32 on the CPU), the median of `reps`."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    times = []
+    for i in range(reps + 3):
+        sync(device)
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / statistics.median(times)
 
 
-AUTOTUNE = {"max_autotune_gemm": True}
+@dataclass
+class StepWork:
+    """What one decode step of `rows` rows must read and compute."""
+
+    weight_bytes: int
+    kv_bytes: int
+    flops: float
+
+    def floor_s(self, bandwidth: float, peak: float) -> tuple[float, float]:
+        """(bytes over bandwidth, FLOPs over peak), seconds."""
+        return (self.weight_bytes + self.kv_bytes) / bandwidth, self.flops / peak
 
 
-def kernel_table(work, out_dir: Path, name: str, top: int = 25) -> None:
-    """GPU time per kernel over `work` (torch.profiler), the largest first, written to out_dir/kernels_<name>.txt."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        work()
-        torch.cuda.synchronize()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70)
-    (out_dir / f"kernels_{name}.txt").write_text(table)
-    print(table[:4000], flush=True)
-
-
-def attention_check(model, device) -> float:
-    """Largest |flex - matmul| / max|matmul| of one decode attention call on the GPU, compiled flex against the eager
-    matmul kernel, for groups of n=4 with prompt lengths that straddle flex's K/V blocks."""
-    from torchplex.rollout.kv_pool import GroupedDecodeAttention, GroupKVPool
-
+def step_work(model, pool, rows: int, context: int, own: int) -> StepWork:
+    """The weights read once (layers, final norm, LM head, and B rows of the embedding table), the K/V of the groups
+    with a row (rows spread over the groups first) and of each row's own tokens, and the FLOPs of both."""
     t = model.args.text
-    pool = GroupKVPool(num_layers=1, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, n=4, max_prompt=640,
-                       max_new=200, budget_bytes=2**30, max_groups=3, dtype=torch.bfloat16, device=device)
-    pool.prompt_len.copy_(torch.tensor([1, 300, 640]))
-    for x in pool.prefix_k + pool.prefix_v + pool.suffix_k + pool.suffix_v:
-        x.normal_()
-    suffix_len = torch.tensor([0, 5, 127, 128, 129, 199, 3, 64, 100, 150, 1, 2], device=device)
-    q, k, v = (torch.randn(12, h, 1, t.head_dim, device=device, dtype=torch.bfloat16)
-               for h in (t.num_heads, t.num_kv_heads, t.num_kv_heads))
-    ref = GroupedDecodeAttention(pool, suffix_len, "matmul")(0, q, k, v).float()
-    flex = torch.compile(lambda q, k, v: GroupedDecodeAttention(pool, suffix_len, "flex")(0, q, k, v))(q, k, v).float()
-    return ((flex - ref).abs().max() / ref.abs().max()).item()
+    dense = [p for m in (model.layers, model.norm) for p in m.parameters()] + [model.output_weight]
+    weight_params = sum(p.numel() for p in dense)
+    element = model.output_weight.element_size()
+    weight_bytes = weight_params * element + rows * t.hidden_size * element
+    per_token = 2 * t.num_layers * t.num_kv_heads * t.head_dim * pool.prefix_k[0].element_size()
+    groups = min(rows, pool.num_groups)
+    kv_bytes = per_token * (groups * context + rows * own)
+    attention = 4 * t.num_heads * t.head_dim * (context + own) * t.num_layers
+    return StepWork(weight_bytes, kv_bytes, float(rows * (2 * weight_params + attention)))
 
 
-def hf_model(args):
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    cfg = Qwen2_5_VLConfig(**args.to_hf_config())
-    with torch.device("cuda"):
-        return Qwen2_5_VLForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+def spread_slots(pool, rows: int) -> list[int]:
+    """`rows` sample slots, one per group before any group's second: slot j of group g for r = j * groups + g."""
+    return sorted((r % pool.num_groups) * pool.n + r // pool.num_groups for r in range(rows))
 
 
-class StepClock:
-    """A transformers stopping criterion that never stops: it timestamps each generated token (after a device
-    sync), so per-step decode time comes from inside one `generate` call, free of the prefill's run-to-run noise."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-def hf_decode(hf, batch: int, context: int, new_tokens: int, warm_up: bool = True) -> dict:
-    """transformers' generate on `batch` sequences of `context` random tokens: the median time between two
-    generated tokens (per decode step), and the generate call's wall time."""
-    from transformers import StoppingCriteriaList
-
-    ids = torch.randint(0, 1000, (batch, context), device=hf.device)
-    mask = torch.ones_like(ids)
-
-    def generate(k, clock=None):
-        with torch.no_grad():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=True,
-                        pad_token_id=0, stopping_criteria=StoppingCriteriaList([clock] if clock else []))
-
-    if warm_up:
-        generate(2)
-    clock = StepClock()
-    torch.cuda.synchronize()
+def time_size(engine, state: DecodeState, step, rows: int, a, device) -> tuple[float, float]:
+    """(seconds of the first step at this size: the capture, and the compilation where it is the first; seconds
+    per step over `a.steps` steps after `a.warmup`)."""
+    state.remap(spread_slots(engine.pool, rows), pool_ladder(engine.pool.num_slots, (rows,)))
+    sync(device)
     t = time.perf_counter()
-    generate(1 + new_tokens, clock)
-    wall = time.perf_counter() - t
-    steps = [b - a for a, b in zip(clock.times, clock.times[1:])]  # the first token comes with the prefill
-    torch.cuda.empty_cache()
-    return {"step_ms": statistics.median(steps) * 1e3, "step_ms_min": min(steps) * 1e3,
-            "step_ms_max": max(steps) * 1e3, "steps": len(steps), "generate_s": wall}
+    state.advance(step(state.rows))
+    sync(device)
+    first_s = time.perf_counter() - t
+    for _ in range(a.warmup):
+        state.advance(step(state.rows))
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(a.steps):
+        state.advance(step(state.rows))
+    sync(device)
+    return first_s, (time.perf_counter() - t) / a.steps
 
 
-def decode_row(geometry: str, batch: int, group: int, variant: str, per_step: float = 0.0, floor: float = 0.0,
-               peak_bytes: int = 0, error: str = "", **extra) -> dict:
-    """One (batch, group, variant) as a row of ../shared/RESULTS.md: a "step" is one decode step of `batch`
-    sequences (`batch` tokens), `floor_fraction` the bandwidth floor over its time; `error` makes it a failed row."""
-    row = {"workload": "decode", "geometry": geometry, "prompts": batch // group, "group": group, "mode": variant,
-           "step_s": per_step, "phases_s": {"decode": per_step} if per_step else {}, "peak_gib": peak_bytes / 2**30,
-           "samples": batch, "tokens": batch, "ok": not error, "error": error, "batch": batch, "variant": variant}
+def decode_pool(engine, a, device) -> tuple[DecodeState, SamplingParams]:
+    """The engine's pool with every group's prompt in place (random K/V), and the decode state of samples `a.own`
+    tokens into their responses."""
+    max_new = a.own + a.warmup + a.steps + 4  # each size starts again from the slots' state: own + 1 tokens
+    params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=max_new, seed=0)
+    pool = engine._pool_for(a.group, a.context, max_new, a.groups)
+    pool.prompt_len.fill_(a.context)
+    for t in pool.prefix_k + pool.prefix_v:
+        t.normal_()
+    state = DecodeState(pool, params, device)
+    state.gen_count.fill_(a.own + 1)
+    state.active.fill_(True)
+    state.start_pos.fill_(a.context)
+    state.seeds.copy_(torch.arange(pool.num_slots, device=device))
+    state.last_token.random_(0, engine.model.args.text.vocab_size)
+    return state, params
+
+
+def decode_row(geometry: str, groups: int, group: int, rows: int, per_step: float = 0.0, floor: tuple = (0.0, 0.0),
+               peak_bytes: int = 0, error: str = "", variant: str = "", **extra) -> dict:
+    """One ladder size as a row of ../shared/RESULTS.md (topic "decode"): a "step" is one decode step of `rows`
+    rows (`rows` tokens), `floor_fraction` the floor (the larger of its bytes and FLOPs parts) over its time;
+    `error` makes it a failed row."""
+    row = {"workload": "decode", "geometry": geometry, "prompts": groups, "group": group,
+           "mode": f"rows-{rows}" + (f"-{variant}" if variant else ""),
+           "rows": rows, "step_s": per_step, "phases_s": {"decode": per_step} if per_step else {},
+           "peak_gib": peak_bytes / 2**30, "samples": rows, "tokens": rows, "ok": not error, "error": error}
     if per_step:
-        row.update(step_ms=per_step * 1e3, tokens_per_s=batch / per_step, floor_ms=floor * 1e3,
-                   fraction_of_floor=floor / per_step, floor_fraction=floor / per_step)
+        floor_s = max(floor)
+        row.update(step_ms=per_step * 1e3, tokens_per_s=rows / per_step, floor_ms=floor_s * 1e3,
+                   floor_bytes_ms=floor[0] * 1e3, floor_flops_ms=floor[1] * 1e3,
+                   floor_bound="bytes" if floor[0] >= floor[1] else "flops", floor_fraction=floor_s / per_step)
     return {**row, **extra}
 
 
@@ -206,127 +178,109 @@ def results_doc(argv: list[str], info: dict, rows: list[dict]) -> dict:
     import transformers
 
     return {"topic": "decode", "command": "python benchmarks/decode_bench.py " + " ".join(argv),
-            "device": info["gpu"], "gpus": 1, "torch": info["torch"], "transformers": transformers.__version__,
-            "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "info": info, "rows": rows}
+            "device": info["device"], "gpus": 1 if info["device"] != "cpu" else 0, "torch": info["torch"],
+            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+            "info": info, "rows": rows}
+
+
+def build(a, device):
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Qwen2_5_VLModel(bench_flavor(a.geometry, vision_depth=1))  # the tower plays no part in decode
+    model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).to_empty(device=device)
+    model.init_weights()
+    model.eval().requires_grad_(False)  # the timed loop calls the step directly, outside generate's no_grad
+    engine = RolloutEngine(model, kv_pool_bytes=0, max_batch=a.groups * a.group, compile_decode=not a.eager,
+                           whole_layer_graphs=a.whole_layer)
+    return model, engine
+
+
+def measure(a, model, engine, device, bandwidth: float, peak: float, emit) -> list[dict]:
+    """One row per size, each handed to `emit` as it is made."""
+    state, params = decode_pool(engine, a, device)
+    if engine.fused_qkv:
+        model.fuse_qkv()  # what generate does before decoding
+    step = engine.decode_step(params)
+    variant = "whole-layer" if a.whole_layer else ""
+    rows_out = []
+    for rows in sorted(a.rows, reverse=True):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            first_s, per_step = time_size(engine, state, step, rows, a, device)
+        except Exception as err:  # keep the other sizes' numbers: this one is a failed row
+            first = (str(err).strip().splitlines() or [""])[0]
+            rows_out.append(decode_row(a.geometry, a.groups, a.group, rows, variant=variant,
+                                       error=f"{type(err).__name__}: {first}"[:500]))
+            print(json.dumps({**rows_out[-1], "error": repr(err)[:2000]}), flush=True)
+            emit(rows_out)
+            continue
+        work = step_work(model, engine.pool, rows, a.context, a.own + (a.warmup + a.steps) // 2)
+        peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        rows_out.append(decode_row(a.geometry, a.groups, a.group, rows, per_step, work.floor_s(bandwidth, peak),
+                                   peak_bytes, variant=variant, first_step_s=first_s, weight_bytes=work.weight_bytes,
+                                   kv_bytes=work.kv_bytes, flops=work.flops))
+        print(json.dumps(rows_out[-1]), flush=True)
+        emit(rows_out)
+    return rows_out
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="the debug geometry on the CPU, eager (tests)")
+    ap.add_argument("--geometry", default="7B")
+    ap.add_argument("--groups", type=int, default=64, help="prompt groups in the pool")
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt group")
+    ap.add_argument("--context", type=int, default=1050, help="prompt tokens of every group")
+    ap.add_argument("--own", type=int, default=256, help="tokens each sample has generated when timing starts")
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 128, 192, 256, 384, 512],
+                    help="ladder sizes to time (each at most groups x group)")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--eager", action="store_true", help="no compile, no CUDA graph: launch every kernel each step")
+    ap.add_argument("--whole-layer", action="store_true", help="RolloutEngine(whole_layer_graphs=True): each layer "
+                    "one compiled graph instead of three pieces")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--watchdog-s", type=int, default=170, help="dump stacks and exit if still running")
+    return ap.parse_args(SMOKE + argv if "--smoke" in argv else argv)  # the arguments given win over SMOKE's
 
 
 def main(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--geometry", default="7B")
-    ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
-    ap.add_argument("--group", type=int, nargs="+", default=[1], help="samples per prompt group: 1 = every sequence "
-                    "its own context; 8 = GRPO-shaped (8 samples read one prompt's K/V)")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--hf", action="store_true", help="also time transformers' generate")
-    ap.add_argument("--hf-new-tokens", type=int, default=32)
-    ap.add_argument("--hf-batch", type=int, nargs="+", default=[64], help="batches to time transformers at")
-    ap.add_argument("--autotune", action="store_true", help="also time the step compiled with inductor's GEMM "
-                    "autotuning (RolloutEngine(compile_options={'max_autotune_gemm': True}): Triton templates "
-                    "against cuBLAS per shape)")
-    ap.add_argument("--eager", action="store_true", help="no compile, no CUDA graph: launch every kernel each step")
-    ap.add_argument("--baseline", action="store_true",
-                    help="also time the matmul-attention step compiled (no flex) and eager (no compile, no graph)")
-    ap.add_argument("--qkv-baseline", action="store_true", help="also time the step with q/k/v projected by three "
-                    "GEMMs (RolloutEngine(fused_qkv=False); the engine's default on CUDA fuses them)")
-    ap.add_argument("--profile-dir", default="", help="write per-kernel GPU time tables of a few steps here")
-    ap.add_argument("--flex-options-file", default="", help="JSON of benchmarks/probes/flex_decode_tune.py: use its "
-                    "fastest kernel options for the prompt call (key '<groups>x<rows>x<context>')")
-    ap.add_argument("--long-steps", type=int, default=0, help="replays in the long-run hang check")
-    ap.add_argument("--out", default="")
-    ap.add_argument("--watchdog-s", type=int, default=540, help="dump stacks and exit if still running")
-    a = ap.parse_args(argv)
+    a = parse(argv)
     faulthandler.dump_traceback_later(a.watchdog_s, exit=True)
-    dev = torch.device("cuda")
-    args = bench_flavor(a.geometry, vision_depth=1)  # the tower plays no part in decode
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "geometry": a.geometry, "context": a.context, "cuda_graph": not a.eager,
-            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")}
-    hf_ms = {}
-    if a.hf:  # first, while the GPU holds nothing else: a batch-256 prefill of 2048 tokens needs most of the card
-        import transformers
-        info["transformers"] = transformers.__version__
-        hf = hf_model(args)
-        for i, batch in enumerate(a.hf_batch):
-            t = time.perf_counter()
-            try:
-                timing = hf_decode(hf, batch, a.context, a.hf_new_tokens, warm_up=i == 0)
-                hf_ms[batch] = timing["step_ms"]
-            except torch.OutOfMemoryError as err:
-                timing, hf_ms[batch] = {"error": str(err)[:200]}, None
-            torch.cuda.empty_cache()
-            info.setdefault("transformers_steps", {})[batch] = timing
-            print(json.dumps({"hf_batch": batch, **timing, "wall_s": time.perf_counter() - t}), flush=True)
-        del hf
-        torch.cuda.empty_cache()
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Qwen2_5_VLModel(args)
-    model = model.to(torch.bfloat16).to_empty(device=dev)
-    model.init_weights()
-    model.eval().requires_grad_(False)  # the timed loop calls the step directly, outside generate's no_grad
-    bw = copy_bandwidth(dev)
-    info["copy_bandwidth_GBps"] = bw / 1e9
-    lm = model.layers, model.tok_embeddings, model.norm
-    weight_bytes = sum(p.numel() * p.element_size() for m in lm for p in m.parameters())
-    weight_bytes += model.output_weight.numel() * model.output_weight.element_size() * (model.output is not None)
-    rows = []
-    if not a.eager:
-        try:
-            info["flex_vs_matmul_max_rel_err"] = attention_check(model, dev)
-        except Exception as err:
-            info["flex_vs_matmul_max_rel_err"] = repr(err)[:2000]
-        print(json.dumps({"flex_vs_matmul_max_rel_err": info["flex_vs_matmul_max_rel_err"]}), flush=True)
-    tuned = json.loads(Path(a.flex_options_file).read_text()) if a.flex_options_file else {}
-    for group in a.group:
-        variants = [("compiled", not a.eager, None, True)]
-        if a.qkv_baseline:
-            variants.append(("compiled_separate_qkv", True, None, True))
-        if a.autotune:
-            variants.append(("compiled_autotune", True, None, True))
-        if a.baseline:
-            variants += [("compiled_matmul", True, "matmul", True), ("eager_matmul", False, "matmul", False)]
-        for batch in a.batch:
-            for label, compile_decode, kernel, graphs in variants:
-                if label not in ("compiled", "compiled_separate_qkv", "compiled_autotune") and batch != a.batch[0]:
-                    continue
-                q_rows = args.text.num_heads // args.text.num_kv_heads * group  # query rows per K/V head
-                options = tuned.get(f"{batch // group}x{q_rows}x{a.context}", {}).get("options")
-                t = time.perf_counter()
-                torch.cuda.reset_peak_memory_stats(dev)
-                try:
-                    per_step, kv_bytes, first_s = native_decode(model, batch, a.context, a.steps, a.warmup,
-                                                                compile_decode, kernel, graphs, a.profile_dir,
-                                                                options, group,
-                                                                False if label.endswith("separate_qkv") else None,
-                                                                AUTOTUNE if label.endswith("autotune") else None)
-                except Exception as err:  # keep the other variants' numbers: this one is a failed row
-                    first = (str(err).strip().splitlines() or [""])[0]
-                    error = f"{type(err).__name__}: {first}"[:500]
-                    rows.append(decode_row(a.geometry, batch, group, label, error=error,
-                                           peak_bytes=torch.cuda.max_memory_allocated(dev)))
-                    print(json.dumps({**rows[-1], "error": repr(err)[:2000]}), flush=True)
-                    continue
-                # One step reads every weight once (the tied/untied LM head included) and each prompt's K/V once.
-                floor = (weight_bytes + kv_bytes) / bw
-                row = decode_row(a.geometry, batch, group, label, per_step, floor, torch.cuda.max_memory_allocated(dev),
-                                 flex_options=options, first_step_s=first_s, wall_s=time.perf_counter() - t)
-                if hf_ms.get(batch):
-                    row.update(hf_step_ms=hf_ms[batch], speedup_vs_hf=hf_ms[batch] / (per_step * 1e3))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    if a.long_steps:
-        t = time.perf_counter()
-        per_step, _, _ = native_decode(model, a.batch[0], a.context, a.long_steps, 2, not a.eager)
-        info["long_run"] = {"batch": a.batch[0], "replays": a.long_steps, "step_ms": per_step * 1e3,
-                            "completed": True, "wall_s": time.perf_counter() - t}
-        print(json.dumps(info["long_run"]), flush=True)
-    result = results_doc(argv, info, rows)
-    print(json.dumps(info))
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=2))
+    try:
+        return run(a, argv)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def run(a, argv: list[str]) -> dict:
+    device = torch.device("cpu" if a.smoke else "cuda")
+    if a.smoke:
+        a.eager = True
+    t0 = time.perf_counter()
+    bandwidth = copy_bandwidth(device, 2 * 2**30 if device.type == "cuda" else 2**26)
+    peak = matmul_peak(device, 8192 if device.type == "cuda" else 256)
+    model, engine = build(a, device)
+    info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "geometry": a.geometry, "groups": a.groups, "group": a.group, "context": a.context, "own": a.own,
+            "cuda_graph": engine.use_graphs, "compiled": engine.use_compile, "kernel": engine.decode_kernel,
+            "whole_layer": a.whole_layer,
+            "copy_bandwidth_GBps": bandwidth / 1e9, "matmul_peak_TFLOPs": peak / 1e12}
+
+    def emit(rows: list[dict]) -> dict:
+        """The results file as it stands: written after every size, so a size that hangs until the watchdog keeps
+        the others' rows."""
+        info.update(captures=engine.stats.captures, capture_s=engine.stats.capture_s,
+                    wall_s=time.perf_counter() - t0)
+        result = results_doc(argv, info, rows)
+        if a.out:
+            Path(a.out).write_text(json.dumps(result, indent=2))
+        return result
+
+    result = emit(measure(a, model, engine, device, bandwidth, peak, emit))
+    print(json.dumps(info), flush=True)
     return result
 
 

@@ -25,16 +25,18 @@ PHASES = ("data", "vision", "rollout", "ref", "train")
 def random_checkpoint(root: str | Path, flavor: str, mean_response: int, smoke: bool = False) -> Path:
     """The random checkpoint of `flavor` with stop tokens for responses of `mean_response` tokens on average
     (tools/make_tiny_checkpoint.py: Qwen2.5's vocabulary, bf16, made on the GPU), written once under `root`;
-    `smoke`: the tiny debug checkpoint instead (CPU)."""
-    from torchplex.models.qwen2_5_vl.tiny_checkpoint import make_tiny_checkpoint
-
+    `smoke`: the tiny debug checkpoint instead (CPU). Written by the tool in a process of its own: the GPU memory it
+    used (and its CUDA context) must not stay in this process beside the runs, which size their memory budget from
+    what the device has free."""
     size = "debug" if smoke else flavor
     path = Path(root) / f"ckpt-{size}-mean{mean_response}"
     if not (path / "config.json").is_file():
         t = time.perf_counter()
-        ckpt = make_tiny_checkpoint(path, size=size, full_vocab=not smoke, dtype="float32" if smoke else "bfloat16",
-                                    device=None if smoke else "cuda", mean_response=mean_response)
-        print(f"[bench] {ckpt.summary()} in {time.perf_counter() - t:.1f}s", flush=True)
+        cmd = [sys.executable, str(ROOT / "tools" / "make_tiny_checkpoint.py"), "--output", str(path), "--size", size,
+               "--mean-response", str(mean_response)]
+        cmd += ["--dtype", "float32"] if smoke else ["--full-vocab", "--dtype", "bfloat16", "--device", "cuda"]
+        subprocess.run(cmd, cwd=ROOT, check=True)
+        print(f"[bench] random {size} checkpoint {path} in {time.perf_counter() - t:.1f}s", flush=True)
     return path
 
 
@@ -66,6 +68,19 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
+def ladder_record(record: dict) -> dict:
+    """One step's decode at the ladder's sizes (rollout/ladder.py): the steps at each size (`steps_by_rows`), the
+    rows decoded over its steps and the share of them that decoded a live sample (`live_fraction`: every token but
+    each sample's first, sampled in the prefill), the CUDA graphs it captured and their seconds."""
+    by_rows = {key.rsplit("/", 1)[1]: int(v) for key, v in record.items()
+               if key.startswith("rollout/decode_rows/") and v}
+    row_steps = record.get("rollout/row_steps", 0.0)
+    decoded = record.get("rollout/generated_tokens", 0.0) - record.get("samples", 0.0)
+    return {"steps_by_rows": by_rows, "row_steps": int(row_steps),
+            "live_fraction": decoded / row_steps if row_steps else 0.0,
+            "captures": int(record.get("rollout/captures", 0)), "capture_s": record.get("rollout/capture_s", 0.0)}
+
+
 def steps_row(records: list[dict], launched: float, warm_up_steps: int = 1, peak_tflops: float = 0.0) -> dict:
     """A results row's timing fields from a run's metrics records: the step time (median of the steps after the
     warm-up ones, which compile), each phase's likewise, the peak memory, samples and tokens per step, the decode
@@ -91,7 +106,7 @@ def steps_row(records: list[dict], launched: float, warm_up_steps: int = 1, peak
     steps_n = median("rollout/decode_steps")
     if steps_n:
         row["decode"] = {"s": median("rollout/decode_s"), "steps": int(steps_n),
-                         "ms_per_step": 1e3 * median("rollout/decode_s") / steps_n}
+                         "ms_per_step": 1e3 * median("rollout/decode_s") / steps_n, **ladder_record(timed[-1])}
     if peak_tflops:
         row["mfu"] = {p: median(f"flops/{p}_tflop") / s / peak_tflops for p, s in phases.items()
                       if f"flops/{p}_tflop" in timed[-1] and s > 0}

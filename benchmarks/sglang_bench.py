@@ -10,6 +10,9 @@ train  a GRPO run of --steps steps on the checkpoint through the trainer (torchp
 step   the step benchmark of ../shared/WORKLOADS.md (img-small: P = 2, responses mean 128 cap 512; img: P = 8, mean
        256 cap 1024; G = 8) on the checkpoint's geometry with random image prompts, both backends side by side:
        step, rollout and weight-push time, GPU memory freed by SGLang's release during training, log-prob mismatch.
+Every row records its "backend" and "deterministic": SGLang's deterministic inference (`--sglang-deterministic`,
+rollout.sglang_deterministic: batch-invariant kernels, seeded samples) or its usual fast configuration; native
+rows read false (their sampling is seeded per sample, but their kernels are not batch-invariant on a GPU).
 A failure is a row with "ok": false and the error's first line. SGLang spawns its scheduler: this module is
 import-safe (everything runs under `if __name__ == "__main__"`). benchmarks/sglang_gpu.sh installs SGLang and
 runs both suites on the H200.
@@ -52,6 +55,8 @@ def parse_args(argv=None):
     ap.add_argument("--mem-fraction", type=float, default=0.3, help="SGLang's mem_fraction_static")
     ap.add_argument("--kv-pool-gib", type=float, default=16.0, help="native engine's KV pool")
     ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--sglang-deterministic", action="store_true",
+                    help="rollout.sglang_deterministic: SGLang's deterministic inference (default: its fast setup)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     a.backends = [b for b in a.backends.split(",") if b]
@@ -130,6 +135,7 @@ def _train(a, backend, out_dir, train, load_config) -> dict:
             "data.prompts_per_step": 4, "rollout.n_samples": a.group, "rollout.max_new_tokens": 32,
             "rollout.sglang_mem_fraction": a.mem_fraction, "rollout.sglang_timeout_s": a.timeout_s,
             "rollout.kv_pool_gib": min(a.kv_pool_gib, 2.0), "training.steps": a.steps,
+            "rollout.sglang_deterministic": str(backend == "sglang" and a.sglang_deterministic).lower(),
             "training.sft_warmup_steps": 0, "metrics.progress_bar": "false", "metrics.tensorboard": "false",
             "metrics.eval_interval": 0, "checkpoint.enable": "false", "reward.functions": '["bench_length"]',
             "reward.weights": "[1.0]"}
@@ -188,7 +194,8 @@ def step_rows(a, backend: str, workload: str, device: torch.device, engine_facto
             check_sglang_available(device)
         engine = SGLangRolloutEngine(actor, a.ckpt, dtype=a.dtype, mem_fraction=a.mem_fraction,
                                      timeout_s=a.timeout_s, base_gpu_id=device.index or 0,
-                                     engine_factory=engine_factory or default_engine_factory)
+                                     engine_factory=engine_factory or default_engine_factory,
+                                     deterministic=a.sglang_deterministic)
     else:
         engine = build_rollout_engine(actor, None, 1, kv_pool_bytes=int(a.kv_pool_gib * 2**30), max_batch=256,
                                       pad_id=0, device=device)
@@ -246,7 +253,8 @@ def main(argv=None, engine_factory=None) -> dict:
     for backend in a.backends:
         cases = ["tiny-grpo"] if a.suite == "train" else a.workloads
         for workload in cases:
-            base = {"workload": workload, "backend": backend, "suite": a.suite}
+            base = {"workload": workload, "backend": backend, "suite": a.suite,
+                    "deterministic": backend == "sglang" and a.sglang_deterministic}
             print(f"[sglang_bench {time.strftime('%H:%M:%S')}] {a.suite} {workload} {backend}", flush=True)
             try:
                 row = (train_row(a, backend, out_dir, engine_factory) if a.suite == "train"

@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchplex.distributed.weight_sharing import ShareKind, ShareReport, WeightSharer, plan_sharing  # noqa: E402
+from torchplex.distributed.weight_layout import ShareKind, ShareReport, plan_sharing  # noqa: E402
+from torchplex.distributed.weight_sharing import WeightSharer  # noqa: E402
 from torchplex.models.qwen2_5_vl.args import get_flavor  # noqa: E402
 
 GiB = 2 ** 30

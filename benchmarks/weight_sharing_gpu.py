@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from torchplex.distributed.mesh import build_parallel_dims  # noqa: E402
-from torchplex.distributed.weight_sharing import ShareKind, WeightSharer, shares_storage  # noqa: E402
+from torchplex.distributed.weight_layout import ShareKind  # noqa: E402
+from torchplex.distributed.weight_sharing import WeightSharer, shares_storage  # noqa: E402
 from step_bench import bench_flavor, sync  # noqa: E402
 from torchplex.models.qwen2_5_vl.build import build_model  # noqa: E402
 from torchplex.distributed.fsdp import reshard  # noqa: E402

@@ -34,6 +34,13 @@ def tiny_ckpt_untied(tmp_path_factory) -> Path:
                                 tie_word_embeddings=False, window_size=112).path
 
 
+@pytest.fixture(scope="session")
+def tiny_ckpt_kv4(tmp_path_factory) -> Path:
+    """Like `tiny_ckpt` with 4 K/V heads (one per query head): 2 per rank under TP 2, where the `debug` flavor's 2
+    leave each rank one, which a cache laid out for the model's global head count would still fill by broadcasting."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt_kv4"), size="debug", seed=0, num_kv_heads=4).path
+
+
 @dataclass
 class GRPOAssets:
     """Three encoded image prompts (one with two images of different sizes), an actor moved slightly away from

@@ -12,8 +12,11 @@ Its checks are SGLang 0.5.17's (python/sglang/srt/ in the wheel, file named at e
 `entrypoints/engine.py::Engine.async_generate`, one processor-output dict per request whose `<|image_pad|>` run
 already matches its grid (`multimodal/processors/base_processor.py`: the fast path keeps the given input_ids and
 finds each image's tokens by that id), the memory-saver tags, and the finish-reason dicts of
-`managers/schedule_batch.py`. It is stricter than SGLang in one place: SGLang's Qwen2.5-VL `load_weights` skips
-a name it does not know without a word, the fake refuses it, so a naming defect shows up here.
+`managers/schedule_batch.py`. It is stricter than SGLang in two places: SGLang's Qwen2.5-VL `load_weights` skips
+a name it does not know without a word, the fake refuses it, so a naming defect shows up here; and it refuses a
+request's `sampling_seed` unless the engine runs deterministic inference (the seed is honoured only there, and
+the FlashInfer sampler of the fast configuration takes none). An unseeded request draws from the fake's own
+sequence of seeds, as SGLang draws from its generator.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class FakeSGLangEngine:
         self.released: set[str] = set()
         self.pushes: list[list[str]] = []  # names per update_weights_from_tensor call
         self.requests: list[dict] = []
+        self.unseeded = 0  # requests drawn without a sampling_seed so far
         FakeSGLangEngine.instances.append(self)
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
@@ -168,7 +172,7 @@ class FakeSGLangEngine:
             params = SamplingParams(n=1, greedy=greedy, temperature=1.0 if greedy else sp["temperature"],
                                     top_p=sp.get("top_p", 1.0), top_k=max(sp.get("top_k", -1), 0),
                                     max_new_tokens=sp["max_new_tokens"], stop_token_ids=list(sp.get("stop_token_ids") or []))
-            [[s]] = self.native.generate([prompt], params, sample_seeds=[[sp["sampling_seed"]]])
+            [[s]] = self.native.generate([prompt], params, sample_seeds=[[self._seed(sp)]])
             self.native.release()
             # schedule_batch.py: FINISH_MATCHED_TOKEN / FINISH_LENGTH .to_json(); the stop token stays in output_ids
             reason = ({"type": "stop", "matched": s.token_ids[-1]} if s.finish_reason == "stop"
@@ -179,6 +183,14 @@ class FakeSGLangEngine:
                 meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(s.logprobs, s.token_ids)]
             answers.append({"output_ids": list(s.token_ids), "meta_info": meta})
         return answers[0] if single else answers
+
+    def _seed(self, sp: dict) -> int:
+        if "sampling_seed" in sp:
+            if not self.settings.get("enable_deterministic_inference"):
+                raise ValueError("fake sglang: sampling_seed without enable_deterministic_inference")
+            return sp["sampling_seed"]
+        self.unseeded += 1
+        return self.settings.get("random_seed", 0) * 1_000_003 + self.unseeded
 
     def shutdown(self):
         self.loop.close()

@@ -279,8 +279,10 @@ def test_train_configs_exist():
 def test_every_train_config_loads_with_a_known_flavor(path):
     cfg = load_file(str(path))
     assert cfg.model.flavor in FLAVORS
-    if not path.name.startswith("debug"):  # real models: bf16, the decomposed runtime, long generations
-        assert cfg.model.dtype == "bfloat16" and cfg.runtime.mode == "decomposed"
+    if not path.name.startswith("debug"):  # real models: bf16, a prefix-sharing runtime, long generations
+        assert cfg.model.dtype == "bfloat16" and cfg.runtime.mode in ("decomposed", "overlapped")
+        # overlapped where one GPU holds the model (measured fastest); 32B stays decomposed across GPUs
+        assert cfg.runtime.mode == ("decomposed" if cfg.model.flavor == "32B" else "overlapped")
         assert cfg.rollout.max_new_tokens == 1024 and cfg.rollout.n_samples == 8
         assert cfg.model.make_tiny_if_missing is False
 
@@ -449,14 +451,6 @@ def test_a_config_with_data_file_patterns_saves_and_loads_again(tmp_path):
     cfg = load_config([f"--data.train_files=[\"{tmp_path}/train-*.parquet\"]", "--data.eval_files=[\"e.jsonl\"]"])
     again = load_file(str(save_config(cfg, tmp_path / "saved.toml")))
     assert again.data.train_files == [f"{tmp_path}/train-*.parquet"] and Path(again.data.eval_files[0]).is_absolute()
-
-
-def test_compact_decode_with_the_sglang_backend_fails_at_load_naming_both_keys():
-    """rollout.compact_decode is the native engine's; with SGLang it would be ignored silently."""
-    with pytest.raises(ConfigError, match=r"rollout\.compact_decode.*rollout\.backend"):
-        load_file(str(REPO / "train_configs" / "debug.toml"), "--rollout.compact_decode=true",
-                  "--rollout.backend=sglang")
-    assert load_file(str(REPO / "train_configs" / "debug.toml"), "--rollout.compact_decode=true").rollout.compact_decode
 
 
 # ---- reward functions, resolved and checked with the config (issue 47, defect 4) ----------------------------------

@@ -1,11 +1,14 @@
 """The memory estimate at other device sizes than its priors came from (docs/memory.md): the shipped recipes' residents
-on an 80 GB and a 141 GB card, and a data-parallel rank that counts its own shards; and its contract: `estimate` is a
-query (nothing changes, the engine least of all), `observe` is the only way it learns."""
+on an 80 GB and a 141 GB card, and a data-parallel rank that counts its own shards (also a rank of tp 2 x dp_shard 2,
+parallelised by the trainer's own code on the meta device: its shards, its K/V heads, the prefixes its planner holds);
+and its contract: `estimate` is a query (nothing changes, the engine least of all), `observe` is the only way it
+learns."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -113,6 +116,118 @@ def test_estimate_is_a_query_and_observe_is_how_it_learns():
     memory.observe(StepFootprint(stage_peaks={"rollout": first.stage_bytes("rollout") + 3 * GiB},
                                  planned=first.residents))
     assert memory.estimate(img_shape(64), settings.plan).residents["rollout"][UNPLANNED] == 3 * GiB
+
+
+# ---- a rank of tp 2 x dp_shard 2, parallelised for real on the meta device ---------------------------------------
+@pytest.fixture(scope="module")
+def tp2_dp2_rank():
+    """Rank 0 of 4 (tp 2 x dp_shard 2) in this process: torch's "fake" process-group backend (collectives do nothing)
+    lets the trainer's own parallelisation (TP, activation checkpointing, FSDP2) run on meta-device 7B models. The
+    actor, the reference and the rollout engine on the actor, as the trainer builds them; torn down after the
+    module."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchplex.distributed.mesh import ParallelDims
+    from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
+    from torchplex.rollout.engine import RolloutEngine
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        dims = ParallelDims(dp_shard=2, tp=2, world_size=4, device_type="cpu")
+        with torch.device("meta"):
+            actor, reference = (Qwen2_5_VLModel(get_flavor("7B")).bfloat16() for _ in range(2))
+        whole = {name: p.numel() * p.element_size() for name, p in actor.named_parameters()}
+        shapes = {name: tuple(p.shape) for name, p in actor.named_parameters()}
+        parallelize_qwen2_5_vl(actor, dims, param_dtype=torch.bfloat16, activation_checkpointing=True)
+        parallelize_qwen2_5_vl(reference, dims, param_dtype=torch.bfloat16)
+        yield actor, reference.requires_grad_(False), RolloutEngine(actor, kv_pool_bytes=0), whole, shapes
+    finally:
+        dist.destroy_process_group()
+
+
+def rank0_bytes(shapes: dict[str, tuple], tp: int, dp: int) -> int:
+    """Rank 0's bytes (bf16) by the layout rules (models/qwen2_5_vl/parallelize.py): a decoder layer's q/k/v and gate/up
+    weights and biases split by rows over tp, its o/down weights by columns; then FSDP2 splits every parameter's rows
+    over dp, rank 0 taking the rounded-up share."""
+    total = 0
+    for name, shape in shapes.items():
+        rows, cols = shape[0], math.prod(shape[1:])
+        if ".attention.w" in name or ".feed_forward.w" in name:
+            if name.split(".")[-2] in ("wo", "w2"):
+                cols //= tp
+            else:
+                rows //= tp
+        total += -(-rows // dp) * cols * 2
+    return total
+
+
+def rank_estimator(actor, reference, engine, capacity: int, mode: str = "decomposed"):
+    settings = StepSettings(reward_names=["accuracy"], reward_weights=[1.0], micro_batch_size=8,
+                            kv_pool_from_budget=True, plan=PlanOptions(mode=mode, memory_budget_bytes=capacity))
+    return MemoryEstimator(footprint(actor, reference, engine, settings, dp_size=2), engine, torch.device("cpu"),
+                           measured=False), settings
+
+
+def test_a_tp2_dp2_rank_counts_its_shards_by_the_layout_rules(tp2_dp2_rank):
+    """Rank 0 of tp 2 x dp_shard 2 holds a quarter of every TP'd decoder weight and half of the rest (embeddings,
+    norms, the vision tower: replicated over tp); its budget counts those bytes for the weights, the reference, the
+    gradients and AdamW's two moments, and the 7B step that an 80 GB card refuses whole fits the rank. A budget that
+    counts the whole model, or the model over 4 (as if every weight were split 4 ways), fails here."""
+    actor, reference, engine, whole, shapes = tp2_dp2_rank
+    memory, settings = rank_estimator(actor, reference, engine, H100)
+    mine = rank0_bytes(shapes, tp=2, dp=2)
+    assert sum(whole.values()) / 4 < mine < sum(whole.values()) / 2
+    assert memory.fp.actor_bytes == memory.fp.reference_bytes == memory.fp.trainable_bytes == mine
+    budget = memory.estimate(img_shape(8), settings.plan)
+    budget.check("a tp 2 x dp 2 rank's share of the 7B recipe")
+    train = budget.residents["train"]
+    assert (train["actor_weights"], train["ref_weights"], train["grads"], train["optimizer_state"]) == (
+        mine, mine, mine, 2 * mine)
+
+
+def test_a_tp_rank_kv_pool_and_held_prefix_kv_count_its_own_heads(tp2_dp2_rank):
+    """7B has 4 K/V heads; under TP 2 a rank's attention projects 2, and its KV pool and the K/V of its held prefixes
+    hold those: half the model's K/V per token (and half its MLP width, what the activation priors count). With the
+    pool sized from the budget (rollout.kv_pool_gib 0), every group of the step fits the rank's pool at its own heads'
+    bytes."""
+    actor, reference, engine, _, _ = tp2_dp2_rank
+    t = actor.args.text
+    rank_kv_per_token = 2 * t.num_layers * (t.num_kv_heads // 2) * t.head_dim * 2  # K and V, bf16
+    memory, settings = rank_estimator(actor, reference, engine, H100)
+    assert memory.fp.kv_bytes_per_token == rank_kv_per_token
+    assert memory.fp.intermediate_size == t.intermediate_size // 2  # the MLP activations a rank's graph saves
+    group_tokens = 1280 + 8 * 1024  # the pool's prompt capacity (1,050 rounded up to 256) + 8 samples' responses
+    assert engine.pool_group_bytes(8, 1050, 1024) == rank_kv_per_token * group_tokens
+    budget = memory.estimate(img_shape(8), settings.plan)
+    assert budget.kv_pool_bytes == budget.residents["rollout"]["kv_pool"] == 8 * rank_kv_per_token * group_tokens
+
+
+@pytest.mark.parametrize("mode", ["decomposed", "overlapped"])
+def test_the_planner_holds_a_tp_dp_rank_prefixes_at_its_own_rates_and_room(tp2_dp2_rank, mode):
+    """The planner's held-prefix forms on one rank of tp 2 x dp 2 (32 img prompts of 1,050 tokens, G = 8): each held
+    prompt at the rank's compact rate (every layer's replicated hidden state, the rank's 2 K/V heads, the trainable
+    tower's block inputs), as many as the rank's room holds, all in one round (data-parallel ranks hold in one batch:
+    their FSDP2 collectives must match). Decomposed holds them in training, overlapped in the fused rollout prefill."""
+    import types
+
+    from torchplex.rollout.sampling import SamplingParams
+    from torchplex.runtime.step import GRPOStep
+
+    actor, reference, engine, _, _ = tp2_dp2_rank
+    memory, settings = rank_estimator(actor, reference, engine, H100, mode)
+    step = GRPOStep(actor, reference, engine, None, None, None, settings, memory, dp_size=2)
+    plan = step.plan([types.SimpleNamespace(input_ids=[0] * 1050)] * 32, SamplingParams(n=8, max_new_tokens=1024))
+    t, v = actor.args.text, actor.args.vision
+    rank_kv_per_token = 2 * t.num_layers * (t.num_kv_heads // 2) * t.head_dim * 2
+    rate = (t.num_layers * t.hidden_size + v.depth * v.hidden_size * v.spatial_merge_size ** 2) * 2 + rank_kv_per_token
+    assert memory.compact_rate() == rate
+    forms = plan.train_prefix_forms if mode == "decomposed" else plan.prefix_forms
+    room = plan.budget.train_room_bytes if mode == "decomposed" else plan.budget.room_bytes
+    held = [c for c in forms if c.form != "none"]
+    assert {(c.form, c.bytes, c.round) for c in held} == {("compact", math.ceil(rate * 1050), 0)}
+    assert len(held) * math.ceil(rate * 1050) <= room < (len(held) + 1) * math.ceil(rate * 1050)
+    assert 0 < len(held) < 32  # the room binds: a different rate or room would hold another count
 
 
 # ---- micro-batches by tokens (issue 49) -------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from torchplex.data.batching import collate, encode_visuals
 from torchplex.data.processing import encode_prompt, load_processor
 from torchplex.models.qwen2_5_vl.build import build_model
 from torchplex.rollout.engine import RolloutEngine
-from torchplex.rollout.kv_pool import CompactedPool, PoolTooSmallError
+from torchplex.rollout.kv_pool import PoolTooSmallError
 from torchplex.rollout.sampling import SamplingParams, processed_logprobs
 
 RTOL = 1e-5
@@ -225,17 +225,17 @@ def test_compiled_decode_step_equals_eager(setup):
 
 
 def test_decode_step_is_reused_across_seeds_and_pool_release(setup):
-    """A new seed per GRPO step and the pool's release between rollouts keep the same (compiled) step function:
-    on CUDA, recompiling per step would cost tens of seconds each time."""
+    """A new seed per GRPO step and the pool's release between rollouts keep the same decode step (its compiled
+    pieces; on CUDA only its graphs are captured again): recompiling per step would cost seconds each time."""
     _, model, prompts, eos = setup
     engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20)
     engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=3, seed=1))
-    compiled = engine._steps["pool"].compiled
+    step = engine.decode_step(SamplingParams(n=2, max_new_tokens=3, seed=1))
     engine.release()
     engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=3, seed=2))
-    assert engine._steps["pool"].compiled is compiled
+    assert engine.decode_step(SamplingParams(n=2, max_new_tokens=3, seed=2)) is step
     engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=3, seed=2, temperature=0.5))
-    assert engine._steps["pool"].compiled is not compiled  # other sampling: another step
+    assert engine.decode_step(SamplingParams(n=2, max_new_tokens=3, temperature=0.5)) is not step  # other sampling
 
 
 def test_on_samples_finished_reports_every_sample_once_as_it_finishes(setup):
@@ -280,100 +280,3 @@ def test_fused_qkv_decode_equals_separate_projections_and_follows_weight_updates
     assert all(layer.attention.qkv_copy is not None for layer in trained.layers)
     assert not any("qkv_copy" in name for name, _ in trained.named_parameters())
     assert not RolloutEngine(model, kv_pool_bytes=2**20).fused_qkv  # the default fuses only compiled CUDA decode
-
-
-def _long_tailed(eos, vocab, n=3, max_new=14, seed=7):
-    """Sampling under which responses end at many lengths: a quarter of the vocabulary stops a sample."""
-    return SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new, seed=seed,
-                          stop_token_ids=[eos, *range(vocab - vocab // 4, vocab)])
-
-
-@pytest.mark.parametrize("kernel", ["matmul", "flex"])
-def test_compacted_decode_gives_what_the_full_pool_decode_gives(setup, kernel):
-    """compact_decode: once nothing waits and the live samples fit one per group slot, they decode on as groups of one
-    in the pool's first rows (kv_pool.CompactedPool). Same tokens and log-probs as the full pool (fp32, 1e-5), every
-    sample reported once as it finishes, fewer rows per step after the move, and the engine's next rollout (the
-    pool's rows moved) equal to the first."""
-    _, model, prompts, eos = setup
-    params = _long_tailed(eos, model.args.text.vocab_size)
-    plain = RolloutEngine(model, kv_pool_bytes=8 * 2**20, decode_kernel=kernel).generate(prompts, params)
-    engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20, decode_kernel=kernel, compact_decode=True)
-    rows, reported = [], []
-    engine._decode_step = (lambda step: lambda params, pool, tokens, *state: (
-        rows.append(tokens.shape[0]), step(params, pool, tokens, *state))[1])(engine._decode_step)
-    compacted = engine.generate(prompts, params, on_samples_finished=reported.extend)
-    lengths = sorted(len(o.token_ids) for g in plain for o in g)
-    assert lengths[0] < lengths[-1] and engine.stats.compactions == 1  # long-tailed, and it moved once
-    pool = engine.pool
-    assert rows[0] == pool.num_slots > pool.num_groups == rows[-1]
-    for g_plain, g_comp in zip(plain, compacted):
-        for a, b in zip(g_plain, g_comp):
-            assert (a.prompt_index, a.sample_index, a.token_ids, a.finish_reason) == (
-                b.prompt_index, b.sample_index, b.token_ids, b.finish_reason)
-            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=RTOL, atol=1e-6)
-    assert sorted((o.prompt_index, o.sample_index) for o in reported) == [(i, j) for i in range(4) for j in range(3)]
-    assert all(o is compacted[o.prompt_index][o.sample_index] for o in reported)
-    assert engine.stats.generated_tokens == sum(len(o.token_ids) for g in plain for o in g)
-    again = engine.generate(prompts, params)
-    assert [[o.token_ids for o in g] for g in again] == [[o.token_ids for o in g] for g in plain]
-    assert engine.stats.compactions == 2 and pool.free_groups == list(range(pool.num_groups))
-
-
-def test_release_after_a_compacted_rollout_frees_the_pool_storage(setup):
-    """The compacted rows are views of the pool's tensors: after the engine's release no view may keep them alive, or
-    the next rollout's reserve holds a second whole pool beside the first (measured on an H200: +16.2 GiB)."""
-    import gc
-    import weakref
-
-    _, model, prompts, eos = setup
-    params = _long_tailed(eos, model.args.text.vocab_size)
-    engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20, compact_decode=True)
-    engine.generate(prompts, params)
-    assert engine.stats.compactions == 1
-    pool = engine.pool
-    stores = [weakref.ref(t) for store in (pool.prefix_k, pool.prefix_v, pool.suffix_k, pool.suffix_v) for t in store]
-    engine.release()
-    gc.collect()
-    assert all(ref() is None for ref in stores)
-    engine.generate(prompts, params)  # and the next rollout moves its rows again
-    assert engine.stats.compactions == 2
-
-
-def test_decode_compacts_only_once_no_prompt_waits(setup):
-    """With a pool of one group for four prompts, the rows move only after the last prompt was admitted (a move
-    while prompts wait would leave them no group slot); the results equal the full pool's."""
-    _, model, prompts, eos = setup
-    params = _long_tailed(eos, model.args.text.vocab_size, n=2, seed=3)
-    big = RolloutEngine(model, kv_pool_bytes=8 * 2**20).generate(prompts, params)
-    engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20, max_batch=2, compact_decode=True)
-    moved_at = []
-    move = CompactedPool.move
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(CompactedPool, "move", lambda self, slots: (moved_at.append(engine.stats.prefills),
-                                                               move(self, slots)))
-        small = engine.generate(prompts, params)
-    assert engine.pool.num_groups == 1 and engine.stats.prefills == len(prompts)
-    assert moved_at and set(moved_at) == {len(prompts)}
-    assert [[o.token_ids for o in g] for g in small] == [[o.token_ids for o in g] for g in big]
-
-
-@pytest.mark.slow
-def test_compiled_compacted_decode_equals_eager_and_compiles_once(setup):
-    """The compacted rows' step compiled (inductor's CPU backend, the matmul kernel) samples what eager does, and a
-    second rollout on the same pool (its rows moved again) compiles nothing new: on CUDA each compilation costs about
-    a minute."""
-    from torch._dynamo.utils import counters
-
-    _, model, prompts, eos = setup
-    params = _long_tailed(eos, model.args.text.vocab_size, max_new=10)
-    eager = RolloutEngine(model, kv_pool_bytes=8 * 2**20, compact_decode=True).generate(prompts, params)
-    engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20, compile_decode=True, compact_decode=True)
-    first = engine.generate(prompts, params)
-    assert engine.stats.compactions == 1
-    assert [[o.token_ids for o in g] for g in first] == [[o.token_ids for o in g] for g in eager]
-    compiled = sum(counters["frames"].values()), dict(counters["stats"])
-    engine.release()
-    second = engine.generate(prompts, params)
-    assert engine.stats.compactions == 2 and [[o.token_ids for o in g] for g in second] == [
-        [o.token_ids for o in g] for g in eager]
-    assert (sum(counters["frames"].values()), dict(counters["stats"])) == compiled

@@ -130,3 +130,74 @@ def test_rollout_tp_trains_bit_for_bit_like_the_reference(runs, run, reference):
     # the steps did train the weights a TP 1 rollout must rebuild (else equal tokens would not show the resync)
     for name in ("layers.0.attention.wq.weight", "layers.1.feed_forward.w2.weight"):
         assert (runs[run]["params"][name] - runs[run]["initial"][name]).abs().max() > 0.5e-3, name
+
+
+# ---- the KV pool of a TP'd model holds the rank's own K/V heads ------------------------------------------------
+def _prompts(ckpt: str) -> list:
+    from PIL import Image
+
+    from torchplex.data.processing import encode_prompt, load_processor
+
+    processor = load_processor(ckpt)
+    rng = torch.Generator().manual_seed(0)
+    image = lambda w, h: Image.fromarray(torch.randint(0, 255, (h, w, 3), generator=rng, dtype=torch.uint8).numpy())
+    return [encode_prompt(processor, "How many circles?", images=[image(56, 56)]),
+            encode_prompt(processor, "Colour of the square?", images=[image(112, 84)])]
+
+
+def _rollout(model, prompts: list) -> dict:
+    from torchplex.rollout.engine import RolloutEngine
+    from torchplex.rollout.sampling import SamplingParams
+
+    engine = RolloutEngine(model, kv_pool_bytes=8 * 2**20)
+    outputs = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=12, seed=7))
+    return {"tokens": [s.token_ids for group in outputs for s in group],
+            "logprobs": [s.logprobs for group in outputs for s in group],
+            "pool_heads": engine.pool.prefix_k[0].shape[1], "group_bytes": engine.pool_group_bytes(3, 100, 12)}
+
+
+def _pool_worker(rank: int, world_size: int, port: int, ckpts: list[str], tmp: str) -> None:
+    init_gloo(rank, world_size, port)
+    from torchplex.distributed.mesh import ParallelDims
+    from torchplex.models.qwen2_5_vl.build import build_model
+    from torchplex.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
+
+    try:
+        results = {}
+        for ckpt in ckpts:
+            prompts = _prompts(ckpt)
+            plain = _rollout(build_model(hf_dir=ckpt).eval(), prompts)
+            tp = build_model(hf_dir=ckpt).eval()
+            parallelize_qwen2_5_vl(tp, ParallelDims(dp_shard=1, tp=world_size, world_size=world_size),
+                                   param_dtype=torch.float32)
+            results[ckpt] = {"tp1": plain, "tp2": _rollout(tp, prompts), "kv_heads": tp.args.text.num_kv_heads}
+        if rank == 0:
+            torch.save(results, f"{tmp}/pool.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def pool_runs(tiny_ckpt, tiny_ckpt_kv4, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("tp_pool")
+    ckpts = [str(tiny_ckpt), str(tiny_ckpt_kv4)]
+    spawn(_pool_worker, 2, (free_port(), ckpts, str(tmp)), TIMEOUT_S, what="TP rollouts")
+    return torch.load(tmp / "pool.pt", weights_only=False)
+
+
+@pytest.mark.slow
+def test_a_tp_rank_pool_holds_its_own_kv_heads_and_samples_like_one_process(pool_runs):
+    """Rollout on the actor under TP 2 (parallelism.rollout_tp == tp): each rank's attention projects num_kv_heads / 2
+    heads, and its KV pool holds those. Defect: the pool was laid out with the model's global K/V head count. With the
+    `debug` flavor's 2 K/V heads (1 per rank) the rank's one head was broadcast into both slots (twice the memory the
+    budget planned, same tokens); with 4 (2 per rank, as 7B's 4 under TP 2) the prefill's K/V did not fit the pool
+    and the rollout failed. The TP'd engine now samples the one-process tokens (fp32; log-probs to rounding: 1e-5),
+    with half the one-process pool per group."""
+    for ckpt, run in pool_runs.items():
+        tp1, tp2 = run["tp1"], run["tp2"]
+        assert tp1["pool_heads"] == run["kv_heads"] and tp2["pool_heads"] == run["kv_heads"] // 2, ckpt
+        assert tp2["group_bytes"] * 2 == tp1["group_bytes"], ckpt
+        assert tp2["tokens"] == tp1["tokens"], ckpt
+        for got, want in zip(tp2["logprobs"], tp1["logprobs"]):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-5)
+    assert {run["kv_heads"] for run in pool_runs.values()} == {2, 4}

@@ -29,6 +29,11 @@ def test_scale_rows_come_from_run_train_runs_and_a_failure_is_a_row(tmp_path):
         assert r["samples"] == 2 * r["prompts"] and r["tokens"] > r["samples"]
         assert {"rollout", "train"} <= set(r["phases_s"]) and r["decode"]["steps"] >= 1
         assert r["micro_batch"]["tokens"] > 0 and r["micro_batch"]["train_count"] >= 1  # the planner's budget
+        # the timed step's decode at the ladder's sizes: its steps, the rows they decoded, the live share of those
+        d = r["decode"]
+        assert sum(d["steps_by_rows"].values()) == d["steps"]
+        assert d["row_steps"] == sum(int(rows) * k for rows, k in d["steps_by_rows"].items())
+        assert 0 < d["live_fraction"] <= 1 and d["captures"] == 0  # the CPU captures no graphs
         run_dir = tmp_path / "w" / "runs" / f"scale-img-{r['prompts']}-{r['mode']}"
         saved = tomllib.loads((run_dir / "config.toml").read_text())  # the trainer's resolved config
         assert (saved["runtime"]["mode"], saved["data"]["prompts_per_step"]) == (r["mode"], r["prompts"])

@@ -66,6 +66,10 @@ def test_requests_are_one_seeded_request_per_sample_with_the_processor_output(pr
     assert all(0 <= s < 2**63 for s in huge) and huge[0] != huge[1]
     with pytest.raises(ValueError, match="3 seeds"):
         build_requests(prompts, params, [[1, 2], [3, 4]])
+    unseeded = build_requests(prompts, params, seeds, seeded=False)  # SGLang's fast configuration
+    assert all("sampling_seed" not in r["sampling_params"] for r in unseeded)
+    assert [{k: v for k, v in r["sampling_params"].items()} for r in unseeded] == \
+        [{k: v for k, v in r["sampling_params"].items() if k != "sampling_seed"} for r in reqs]
 
 
 def test_video_prompts_are_refused_not_dropped(prompts):
@@ -98,7 +102,7 @@ def test_the_fake_refuses_what_sglang_refuses(tiny_ckpt, prompts):
     backend builds that SGLang would refuse fails here: a top_k of 0 (verify() wants -1 or >= 1), a key
     SamplingParams has no field for, an unknown generate() keyword, images as PIL or several processor
     outputs per request, image tokens that do not match the grid, an unknown memory tag."""
-    fake = FakeSGLangEngine(model_path=str(tiny_ckpt))
+    fake = FakeSGLangEngine(model_path=str(tiny_ckpt), enable_deterministic_inference=True)
     params = SamplingParams(n=1, max_new_tokens=2)
     [ok] = build_requests(prompts[:1], params, [[0]])
     run = lambda **kw: fake.loop.run_until_complete(fake.async_generate(**{**ok, **kw}))
@@ -123,6 +127,10 @@ def test_the_fake_refuses_what_sglang_refuses(tiny_ckpt, prompts):
     with pytest.raises(ValueError, match="memory tags"):
         fake.release_memory_occupation(tags=["kv"])
     fake.shutdown()
+    fast = FakeSGLangEngine(model_path=str(tiny_ckpt))  # no deterministic inference: a seed is not honoured
+    with pytest.raises(ValueError, match="sampling_seed without enable_deterministic_inference"):
+        fast.loop.run_until_complete(fast.async_generate(**ok))
+    fast.shutdown()
 
 
 # ---- weights ----------------------------------------------------------------------------------------------------
@@ -187,18 +195,35 @@ def test_capabilities_keep_fusion_and_window_work_off_and_the_schedule_says_why(
     assert not s.has("actor_prefix") and not any(p.in_window for p in s.phases)
     assert any("not fused" in r and "sglang" in r for r in s.reasons)
     assert any("not in the decode window" in r and "sglang" in r for r in s.reasons)
-    # the measured reason (benchmarks/results/sglang-20261202-overlap*.json), with and without MPS
+    # the reason points at the measurement (docs/sglang.md: prefix work beside SGLang's decode, with and without MPS)
     window = next(r for r in s.reasons if "not in the decode window" in r)
-    assert "1.03x without MPS" in window and "1.12x with an MPS daemon" in window
+    assert "hid too little" in window and "docs/sglang.md" in window
 
 
 # ---- the engine on the fake ---------------------------------------------------------------------------------------
-def test_engine_pushes_weights_samples_and_releases_like_the_native_engine(tiny_ckpt, prompts):
+def test_by_default_sglang_runs_its_fast_configuration_with_unseeded_requests(tiny_ckpt, prompts):
+    """rollout.sglang_deterministic off: no deterministic inference, FlashInfer text attention, SGLang's own sampler
+    and CUDA graphs (nothing turns them off), and requests without seeds; every sample still comes back."""
+    engine = SGLangRolloutEngine(build_model(hf_dir=tiny_ckpt), str(tiny_ckpt), dtype="float32",
+                                 engine_factory=FakeSGLangEngine)
+    settings = engine.engine.settings
+    assert not settings.get("enable_deterministic_inference") and settings["attention_backend"] == "flashinfer"
+    assert "sampling_backend" not in settings and not settings.get("disable_cuda_graph")
+    assert settings["enable_memory_saver"] and settings["mm_attention_backend"] == "triton_attn"
+    out = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_new_tokens=4, seed=3))
+    assert [[(s.prompt_index, s.sample_index) for s in row] for row in out] == [[(i, j) for j in range(3)]
+                                                                                for i in range(2)]
+    assert all("sampling_seed" not in r["sampling_params"][0] for r in engine.engine.requests)
+
+
+def test_deterministic_sglang_samples_each_seed_like_the_native_engine(tiny_ckpt, prompts):
     actor = build_model(hf_dir=tiny_ckpt)
-    engine = SGLangRolloutEngine(actor, str(tiny_ckpt), dtype="float32", engine_factory=FakeSGLangEngine)
+    engine = SGLangRolloutEngine(actor, str(tiny_ckpt), dtype="float32", engine_factory=FakeSGLangEngine,
+                                 deterministic=True)
     fake = engine.engine
     assert isinstance(engine, RolloutEngineProtocol) and fake.settings["enable_memory_saver"]
     assert fake.settings["enable_deterministic_inference"] and fake.settings["tp_size"] == 1
+    assert (fake.settings["attention_backend"], fake.settings["sampling_backend"]) == ("triton", "pytorch")
     with torch.no_grad():  # the actor moved away from the checkpoint SGLang loaded
         for p in actor.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -359,6 +384,7 @@ def test_grpo_steps_with_backend_sglang_push_the_trained_weights_each_step(tiny_
     trainer = train.Trainer(load_config([f"--{k}={v}" for k, v in args.items()]))
     fake = trainer.engine.engine
     assert isinstance(trainer.engine, SGLangRolloutEngine) and isinstance(fake, FakeSGLangEngine)
+    assert not fake.settings.get("enable_deterministic_inference")  # rollout.sglang_deterministic is off
     pushed = []
     push = fake.update_weights_from_tensor
     fake.update_weights_from_tensor = lambda named_tensors, **kw: (
@@ -375,3 +401,19 @@ def test_grpo_steps_with_backend_sglang_push_the_trained_weights_each_step(tiny_
         assert metrics["rollout/logprob_mismatch"] < 1e-4 and 0 <= metrics["rollout/mismatch_k3"] < 1e-6
         steps.append(sent)
     assert any(not torch.equal(steps[0][k], steps[1][k]) for k in steps[0])  # the step changed what SGLang saw
+
+
+def test_sglang_deterministic_reaches_the_engine_and_needs_the_sglang_backend(tiny_ckpt, monkeypatch):
+    """rollout.sglang_deterministic = true starts SGLang in its deterministic mode; with the native backend the key
+    would be ignored, so loading fails naming both keys."""
+    from torchplex.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"rollout\.sglang_deterministic.*rollout\.backend"):
+        load_config(["--job.config_file=train_configs/debug.toml", "--rollout.sglang_deterministic=true"])
+    cfg = load_config(["--job.config_file=train_configs/debug.toml", "--rollout.backend=sglang",
+                       "--rollout.sglang_deterministic=true"])
+    assert cfg.rollout.sglang_deterministic
+    engine = build_sglang_engine(build_model(hf_dir=tiny_ckpt), str(tiny_ckpt), None, 1, torch.device("cpu"),
+                                 dtype="float32", mem_fraction=0.2, timeout_s=60, bucket_mib=64, seed=0,
+                                 deterministic=cfg.rollout.sglang_deterministic, engine_factory=FakeSGLangEngine)
+    assert engine.deterministic and engine.engine.settings["enable_deterministic_inference"]

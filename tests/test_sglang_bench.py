@@ -48,14 +48,18 @@ def test_step_rows_of_both_backends_on_the_fake(tiny_ckpt, tmp_path):
         assert {"step_s", "phases_s", "samples", "tokens", "logprob_mismatch", "mismatch_k3"} <= r.keys()
         assert r["logprob_mismatch"] < 1e-4  # the fake samples with the trainer's math in float32
     assert rows["sglang"]["weight_push_s"] > 0 and rows["native"]["weight_push_s"] == 0
+    assert rows["sglang"]["deterministic"] is False is rows["native"]["deterministic"]  # SGLang's fast setup
+    assert not FakeSGLangEngine.instances[-1].settings.get("enable_deterministic_inference")
 
 
 def test_train_rows_on_the_fake(tiny_ckpt, tmp_path):
     out = tmp_path / "sglang-train.json"
     sglang_bench.main(["--suite", "train", "--ckpt", str(tiny_ckpt), "--backends", "sglang", "--steps", "1",
-                       "--group", "2", "--dtype", "float32", "--out", str(out)], engine_factory=FakeSGLangEngine)
+                       "--group", "2", "--dtype", "float32", "--sglang-deterministic", "--out", str(out)],
+                      engine_factory=FakeSGLangEngine)
     [row] = json.loads(out.read_text())["rows"]
     assert row["ok"], row["error"]
+    assert row["deterministic"] is True and FakeSGLangEngine.instances[-1].settings["enable_deterministic_inference"]
     assert row["backend"] == "sglang" and row["logprob_mismatch"] < 1e-4 and row["weight_push_bytes"][0] > 0
     assert row["weights_changed"]
 

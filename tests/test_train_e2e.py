@@ -366,8 +366,9 @@ def test_a_non_finite_loss_skips_that_step_and_its_checkpoint(tmp_path, tiny_ckp
 
 
 # ---- 4. the launcher ---------------------------------------------------------------------------------------------
-def run_train_sh(args: list[str], config_file: Path, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(subprocess_env(), CONFIG_FILE=str(config_file))
+def run_train_sh(args: list[str], config_file: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """run_train.sh with `config_file`; `env` adds to the environment (NGPU, TRAIN_MODULE, ...)."""
+    env = dict(subprocess_env(), CONFIG_FILE=str(config_file), **env)
     return subprocess.run([str(REPO_ROOT / "run_train.sh"), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=SUBPROCESS_TIMEOUT_S)
 

@@ -23,8 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from distributed_helpers import free_port, init_gloo, spawn
 from torchplex.distributed.mesh import ParallelDims, build_parallel_dims
-from torchplex.distributed.weight_sharing import (
-    RolloutLayout, ShardLayout, ShareKind, ShareReport, WeightSharer, classify, plan_sharing, shares_storage)
+from torchplex.distributed.weight_layout import (
+    RolloutLayout, ShardLayout, ShareKind, ShareReport, classify, plan_sharing)
+from torchplex.distributed.weight_sharing import WeightSharer, shares_storage
 from torchplex.models.qwen2_5_vl.args import get_flavor
 from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel
 from torchplex.distributed.fsdp import reshard
@@ -393,6 +394,31 @@ def test_share_ratio_of_32b_at_tp8_to_4():
         total = sum(p.numel() for p in Qwen2_5_VLModel(args).parameters())
     replicated = total - _decoder_tp_numel(args)
     assert report.share_ratio == pytest.approx(replicated / (replicated + _decoder_tp_numel(args) / 4), rel=1e-9)
+
+
+@pytest.mark.parametrize("flavor,t_train,t_roll,table", [
+    ("7B", 4, 2, dict(gib=9.37, share=0.351, ceiling=0.676, buffer_gib=6.08, received_gib=3.04)),
+    ("32B", 8, 4, dict(gib=18.71, share=0.223, ceiling=0.612, buffer_gib=14.53, received_gib=7.27))])
+def test_share_table_and_resync_bytes_of_the_recipes_follow_the_layout_formula(flavor, t_train, t_roll, table):
+    """The docs/weight_sharing.md rows of a smaller rollout TP, from the meta-device plan, against the formula: per
+    rank, everything the TP plan replicates is identical (2 bytes a parameter, bf16), each TP'd decoder weight is
+    rebuilt at its rollout shard (1 / t_roll), nothing is a view; a resync receives the (k - 1) / k of each rebuilt
+    shard that other ranks hold (k = t_train / t_roll), and the rank's own 1 / k of it is what rollout linears kept
+    as k pieces could view too: the ceiling of per-rank sharing is share + own."""
+    args = get_flavor(flavor)
+    report = ShareReport.from_plans(plan_sharing(args, t_train, t_roll), t_train, t_roll)
+    with torch.device("meta"):
+        total = sum(p.numel() for p in Qwen2_5_VLModel(args).parameters())
+    split, k = _decoder_tp_numel(args), t_train // t_roll
+    rebuilt = 2 * split // t_roll
+    assert (report.identical_bytes, report.view_bytes, report.rebuilt_bytes) == (2 * (total - split), 0, rebuilt)
+    assert report.buffer_bytes == rebuilt and report.rebuild_received_bytes == rebuilt * (k - 1) // k
+    own = rebuilt - report.rebuild_received_bytes
+    gib = 2**30
+    measured = dict(gib=report.total_bytes / gib, share=report.share_ratio,
+                    ceiling=report.share_ratio + own / report.total_bytes, buffer_gib=report.buffer_bytes / gib,
+                    received_gib=report.rebuild_received_bytes / gib)
+    assert measured == pytest.approx(table, abs=0.005)  # the table's rounding
 
 
 def test_plan_refuses_tp_that_splits_heads():

@@ -1,7 +1,7 @@
 """Command line over torchplex.models.qwen2_5_vl.tiny_checkpoint: write a random Qwen2.5-VL checkpoint.
 
     python tools/make_tiny_checkpoint.py --output /tmp/tiny [--size debug] [--seed 0] [--untied]
-        [--window-size N] [--max-shard-size 200KB] [--min-pixels N] [--max-pixels N]
+        [--window-size N] [--max-shard-size 200KB] [--min-pixels N] [--max-pixels N] [--num-kv-heads N]
     python tools/make_tiny_checkpoint.py --output /tmp/ckpt7b --size 7B --full-vocab --device cuda \
         --dtype bfloat16 --mean-response 256     # the published 7B geometry and vocabulary, seconds on a GPU
 
@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> TinyCheckpoint:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--untied", action="store_true", help="separate lm_head (tie_word_embeddings false)")
     parser.add_argument("--window-size", type=int, default=None, help="vision window size in pixels")
+    parser.add_argument("--num-kv-heads", type=int, default=None,
+                        help="decoder K/V heads (a divisor of the flavor's query heads; default the flavor's)")
     parser.add_argument("--max-shard-size", default=None, help='e.g. "200KB": write a sharded index')
     parser.add_argument("--min-pixels", type=int, default=None,
                         help=f"image processor budget (default {DEFAULT_MIN_PIXELS}; Qwen's with --full-vocab)")
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> TinyCheckpoint:
         window_size=a.window_size, max_shard_size=a.max_shard_size, min_pixels=a.min_pixels,
         max_pixels=a.max_pixels, video_min_pixels=a.video_min_pixels, video_max_pixels=a.video_max_pixels,
         weights=not a.no_weights, full_vocab=a.full_vocab, device=a.device, dtype=a.dtype,
-        mean_response=a.mean_response)
+        mean_response=a.mean_response, num_kv_heads=a.num_kv_heads)
     print(f"{ckpt.summary()} in {time.perf_counter() - start:.1f}s")
     return ckpt
 

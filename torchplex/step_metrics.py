@@ -87,7 +87,8 @@ def flops_metrics(out, model_args, has_reference: bool, vision_trains: bool, ppo
 
     def count(prompts, fused_rows):
         return step_flops(model_args, [len(exp.prompts[i].input_ids) for i in prompts],
-                          [visual_grids(exp.prompts[i]) for i in prompts], [lengths[i * g:(i + 1) * g] for i in prompts],
+                          [visual_grids(exp.prompts[i]) for i in prompts],
+                          [lengths[i * g:(i + 1) * g] for i in prompts],
                           serial=out.plan.mode == "serial", has_reference=has_reference, vision_trains=vision_trains,
                           vision_stage=Stage.VISION in out.plan.stages(), fused=fused_rows)
 
@@ -100,17 +101,25 @@ def flops_metrics(out, model_args, has_reference: bool, vision_trains: bool, ppo
 
 
 def decode_counters(engine) -> dict[str, float]:
-    """The native engine's running decode counters (seconds, steps, tokens generated); none for SGLang."""
+    """The native engine's running decode counters (seconds, steps, tokens generated, rows decoded over the steps,
+    CUDA graphs captured and their seconds, steps per ladder size `rollout/decode_rows/<rows>`); none for SGLang."""
     stats = getattr(engine, "stats", None)
     if not hasattr(stats, "decode_steps"):  # SGLang's engine keeps no decode-loop counters
         return {}
     return {"rollout/decode_s": stats.decode_s, "rollout/decode_steps": float(stats.decode_steps),
-            "rollout/generated_tokens": float(stats.generated_tokens)}
+            "rollout/generated_tokens": float(stats.generated_tokens),
+            "rollout/row_steps": float(getattr(stats, "row_steps", 0)),
+            "rollout/captures": float(getattr(stats, "captures", 0)),
+            "rollout/capture_s": float(getattr(stats, "capture_s", 0.0)),
+            **{f"rollout/decode_rows/{rows}": float(steps)
+               for rows, steps in getattr(stats, "decode_rows", {}).items()}}
 
 
 def decode_metrics(before: dict[str, float], engine) -> dict[str, float]:
-    """This step's share of the engine's running decode counters (`before`: their values when the step began)."""
-    return {k: v - before[k] for k, v in decode_counters(engine).items()}
+    """This step's share of the engine's running decode counters (`before`: their values when the step began). Only
+    the ladder sizes this step decoded at: a size met only in earlier steps is not this step's metric."""
+    decoded = {k: v - before.get(k, 0.0) for k, v in decode_counters(engine).items()}
+    return {k: v for k, v in decoded.items() if v or not k.startswith("rollout/decode_rows/")}
 
 
 def residency_metrics(residency) -> dict[str, float]:

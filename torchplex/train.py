@@ -186,11 +186,11 @@ class Trainer:
             self.engine = build_sglang_engine(self.actor, str(ckpt), self.dims, cfg.parallelism.rollout_tp,
                                               self.device, dtype=cfg.model.dtype, mem_fraction=r.sglang_mem_fraction,
                                               timeout_s=r.sglang_timeout_s, bucket_mib=r.sglang_bucket_mib,
-                                              seed=cfg.job.seed)
+                                              deterministic=r.sglang_deterministic, seed=cfg.job.seed)
         else:  # rollout_tp != tp: rollout runs on a model sharing the actor's storage (runtime/rollout_weights.py)
             self.engine = build_rollout_engine(self.actor, self.dims, cfg.parallelism.rollout_tp,
                                                kv_pool_bytes=int(r.kv_pool_gib * 2**30), max_batch=r.max_batch,
-                                               pad_id=self.pad_id, device=self.device, compact_decode=r.compact_decode)
+                                               pad_id=self.pad_id, device=self.device)
         if self.reference is not None and cfg.model.freeze_vision:
             self.reference.visual = self.actor.visual  # the same frozen weights: keep one copy, encode once
 

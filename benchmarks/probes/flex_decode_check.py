@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # noqa: E402
 
-from torchplex.rollout.kv_pool import _length_block_mask  # noqa: E402
+from torchplex.rollout.decode_attention import length_block_mask, length_blocks  # noqa: E402
 
 faulthandler.dump_traceback_later(240, exit=True)
 dev = "cuda"
@@ -31,7 +31,8 @@ def case(name, B, H, Hkv, Lq, L, lengths, use_mask=True, dtype=torch.bfloat16):
     k = torch.randn(B, Hkv, L, 128, device=dev, dtype=dtype, generator=g)
     v = torch.randn(B, Hkv, L, 128, device=dev, dtype=dtype, generator=g)
     lengths = torch.tensor(lengths, device=dev)
-    mask = _length_block_mask(lengths, Lq, L) if use_mask else None
+    mask = (length_block_mask(length_blocks(lengths, L), lambda b, h, qi, kv: kv < lengths[b], Lq, L) if use_mask
+            else None)
     out, aux = compiled(q, k, v, block_mask=mask, enable_gqa=H != Hkv, return_aux=AuxRequest(lse=True))
     ref_o, ref_lse = reference(q, k, v, lengths)
     row = {"case": name, "out_err": ((out.double() - ref_o).abs().max() / ref_o.abs().max()).item(),

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from torchplex.rollout.kv_pool import _length_block_mask  # noqa: E402
+from torchplex.rollout.decode_attention import length_block_mask, length_blocks  # noqa: E402
 
 
 def time_config(groups, rows, length, options):
@@ -27,7 +27,7 @@ def time_config(groups, rows, length, options):
     q = torch.randn(groups, 4, rows, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(groups, 4, length, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lens = torch.full((groups,), length, device="cuda")
-    mask = _length_block_mask(lens, lambda b, h, qi, kv: kv < lens[b], rows, length)
+    mask = length_block_mask(length_blocks(lens, length), lambda b, h, qi, kv: kv < lens[b], rows, length)
     fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=mask, return_aux=AuxRequest(lse=True),
                                                       kernel_options=options), dynamic=False)
     fn(q, k, v)

@@ -1,5 +1,5 @@
-"""One function of fixed-shape tensors captured as a CUDA graph and replayed: the rollout's decode step, the
-reference's prefix forward per prompt-length bucket."""
+"""One function of fixed-shape tensors captured as a CUDA graph and replayed: the rollout's decode step, one graph
+per ladder size."""
 
 from __future__ import annotations
 
@@ -40,15 +40,19 @@ class CapturedStep:
     is replayed: a new KV pool or moved weights need a new capture. Warm-up runs on a side stream first, as capture
     requires. The capture is begun by hand rather than through `torch.cuda.graph`, whose entry empties the device
     and pinned-host caches: after every rollout's recapture the next phases would allocate all their memory from
-    the driver again. Each capture gets its own private memory pool (a pool
-    whose graphs are all gone is freed, and cannot be handed to a later capture).
+    the driver again. Each capture gets its own private memory pool (a pool whose graphs are all gone is freed, and
+    cannot be handed to a later capture), or the one of `pool` (a `torch.cuda.graph_pool_handle()` shared by graphs
+    that never run at once, e.g. the rollout's decode step at each ladder size): then a graph's scratch memory may
+    hold another graph's outputs, so read a graph's outputs before replaying another graph of the pool.
     Mode "thread_local": copy threads of the memory manager may keep issuing copies while this thread captures.
     Before capturing, the driver is made to have `room_bytes` free (`make_room`); `pool_bytes` is what the capture
     reserved (its pool, and anything other threads reserved meanwhile: an upper bound), for the next one's room.
     """
 
-    def __init__(self, fn, on_capture: Callable[[float], None] | None = None, room_bytes: int = CAPTURE_ROOM):
+    def __init__(self, fn, on_capture: Callable[[float], None] | None = None, room_bytes: int = CAPTURE_ROOM,
+                 pool=None):
         self.fn = fn
+        self.mempool = pool
         self.on_capture = on_capture
         self.room_bytes = room_bytes
         self.pool_bytes = 0
@@ -65,7 +69,7 @@ class CapturedStep:
             make_room(self.room_bytes)
             reserved = torch.cuda.memory_reserved()
             self.graph = torch.cuda.CUDAGraph()
-            self.graph.capture_begin(capture_error_mode="thread_local")
+            self.graph.capture_begin(pool=self.mempool, capture_error_mode="thread_local")
             try:
                 self.static_out = self.fn(*self.static_in)
             finally:

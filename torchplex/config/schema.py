@@ -101,14 +101,13 @@ class RolloutConfig:
     max_new_tokens: int = 32  # longest response sampled, in tokens
     kv_pool_gib: float = 1.0  # the rollout KV cache; 0 = sized each step from memory.budget_gib (all groups that fit)
     max_batch: int = 256  # sequences decoded concurrently
-    # native backend: once no prompt waits and the live samples fit one per group slot, decode them alone (as groups
-    # of one in the pool's first rows) instead of every slot to the longest response's end; off by default, as it paid
-    # in one measured shape only (docs/benchmarks.md)
-    compact_decode: bool = False
     # backend "sglang" (rollout/sglang_backend/): a rollout SGLang does not answer within this fails the step
     sglang_timeout_s: float = 600.0
     sglang_mem_fraction: float = 0.2  # SGLang's mem_fraction_static: its weights + KV cache, of the GPU's memory
     sglang_bucket_mib: int = 512  # weights pushed to SGLang per update_weights_from_tensor call
+    # SGLang's deterministic inference (batch-invariant kernels, triton attention, its seeded pytorch sampler): each
+    # sample reproducible from its seed, at a cost in speed. Off: SGLang's usual fast configuration, unseeded sampling
+    sglang_deterministic: bool = False
 
 
 @dataclass

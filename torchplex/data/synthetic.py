@@ -336,24 +336,9 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
     tmp.replace(path)
 
 
-def generate_synthetic_task(
-    out_dir: str | Path,
-    num_train: int,
-    num_eval: int,
-    seed: int = 0,
-    image_size: tuple[int, int] = (56, 56),
-    kinds: Sequence[str] = TASK_KINDS,
-    progress: bool | None = None,
-    jitter: bool = False,
-) -> tuple[Path, Path]:
-    """Write the synthetic task to ``out_dir`` and return ``(train.jsonl, eval.jsonl)`` paths.
-
-    ``jitter=True`` draws shapes of random size and offset within their cells (harder than the
-    default, where each shape fills its cell). Deterministic in the parameters. Train and eval come from different RNG streams of ``seed``
-    and share no (question, image) pair. If ``out_dir/manifest.json`` already records the same
-    parameters (and the files exist), nothing is regenerated. ``progress=None`` shows a bar
-    only for large runs.
-    """
+def _task_params(num_train: int, num_eval: int, seed: int, image_size: tuple[int, int], kinds: Sequence[str],
+                 jitter: bool) -> _Params:
+    """The generation parameters, checked: a big enough image, known task kinds, non-negative counts."""
     image_size = (int(image_size[0]), int(image_size[1]))
     if min(image_size) < _MIN_IMAGE_SIDE:
         raise ValueError(
@@ -367,25 +352,54 @@ def generate_synthetic_task(
             raise KeyError(f"unknown synthetic task kind {k!r}; known: {', '.join(TASK_KINDS)}")
     if num_train < 0 or num_eval < 0:
         raise ValueError(f"sample counts must be >= 0, got train={num_train} eval={num_eval}")
-    params = _Params(GENERATOR_VERSION, num_train, num_eval, seed, image_size, kinds, bool(jitter))
+    return _Params(GENERATOR_VERSION, num_train, num_eval, seed, image_size, kinds, bool(jitter))
 
-    out_dir = Path(out_dir)
-    train_path, eval_path = out_dir / "train.jsonl", out_dir / "eval.jsonl"
+
+def _already_written(out_dir: Path, params: _Params) -> bool:
+    """True when `out_dir` holds both splits and a manifest recording exactly `params`."""
     manifest_path = out_dir / "manifest.json"
-    if manifest_path.exists() and train_path.exists() and eval_path.exists():
+    if manifest_path.exists() and (out_dir / "train.jsonl").exists() and (out_dir / "eval.jsonl").exists():
         try:
-            if json.loads(manifest_path.read_text()) == params.to_json():
-                return train_path, eval_path
+            return json.loads(manifest_path.read_text()) == params.to_json()
         except json.JSONDecodeError:
             pass  # a damaged manifest just means: regenerate
+    return False
 
-    # The manifest goes last and first: removed before writing, rewritten after, so an
-    # interrupted generation is never mistaken for a finished one.
-    manifest_path.unlink(missing_ok=True)
+
+def _clear_for_rewrite(out_dir: Path) -> None:
+    """Remove the manifest and the old split images. The manifest goes last and first: removed before writing,
+    rewritten after, so an interrupted generation is never mistaken for a finished one."""
+    (out_dir / "manifest.json").unlink(missing_ok=True)
     image_dir = out_dir / "images"
     image_dir.mkdir(parents=True, exist_ok=True)
     for old in [*image_dir.glob("train_*.png"), *image_dir.glob("eval_*.png")]:
         old.unlink()
+
+
+def generate_synthetic_task(
+    out_dir: str | Path,
+    num_train: int,
+    num_eval: int,
+    seed: int = 0,
+    image_size: tuple[int, int] = (56, 56),
+    kinds: Sequence[str] = TASK_KINDS,
+    progress: bool | None = None,
+    jitter: bool = False,
+) -> tuple[Path, Path]:
+    """Write the synthetic task to ``out_dir`` and return ``(train.jsonl, eval.jsonl)`` paths.
+
+    ``jitter=True`` draws shapes of random size and offset within their cells (harder than the
+    default, where each shape fills its cell). Deterministic in the parameters. Train and eval come
+    from different RNG streams of ``seed`` and share no (question, image) pair. If
+    ``out_dir/manifest.json`` already records the same parameters (and the files exist), nothing is
+    regenerated. ``progress=None`` shows a bar only for large runs.
+    """
+    params = _task_params(num_train, num_eval, seed, image_size, kinds, jitter)
+    out_dir = Path(out_dir)
+    train_path, eval_path = out_dir / "train.jsonl", out_dir / "eval.jsonl"
+    if _already_written(out_dir, params):
+        return train_path, eval_path
+    _clear_for_rewrite(out_dir)
 
     if progress is None:
         progress = num_train + num_eval >= 1000
@@ -398,7 +412,7 @@ def generate_synthetic_task(
     )
     _write_jsonl(train_path, train_records)
     _write_jsonl(eval_path, eval_records)
-    manifest_path.write_text(json.dumps(params.to_json(), indent=2) + "\n")
+    (out_dir / "manifest.json").write_text(json.dumps(params.to_json(), indent=2) + "\n")
     return train_path, eval_path
 
 

@@ -226,6 +226,52 @@ def _importance_ratio(logprobs: Tensor, old_logprobs: Tensor, valid: Tensor, imp
     return torch.exp(torch.where(valid, token_log_ratio, torch.zeros_like(token_log_ratio)))
 
 
+def _check_policy_loss_inputs(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                              cfg: PolicyLossConfig, ref_logprobs: Tensor | None, entropy: Tensor | None) -> None:
+    """Refuse mis-shaped inputs and a KL or entropy coefficient without its tensor, naming the argument."""
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be (N, T), got shape {tuple(logprobs.shape)}")
+    named = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs, "entropy": entropy}
+    for name, tensor in named.items():
+        if tensor is not None and tensor.shape != logprobs.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}, expected {tuple(logprobs.shape)} like logprobs"
+            )
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(
+            f"advantages has shape {tuple(advantages.shape)}, expected (N,) = {tuple(logprobs.shape[:1])} "
+            f"or (N, T) = {tuple(logprobs.shape)}"
+        )
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={cfg.kl_coef} > 0 but no ref_logprobs were given")
+    if cfg.entropy_coef != 0 and entropy is None:
+        raise ValueError(f"entropy_coef={cfg.entropy_coef} != 0 but no entropy was given")
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, cfg: PolicyLossConfig) -> tuple[Tensor, Tensor]:
+    """Per-token PPO-clip loss -min(ratio * A, clip(ratio) * A), and where the clipped branch is the active one."""
+    clipped_ratio = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    surrogate = ratio * adv
+    clipped_surrogate = clipped_ratio * adv
+    return -torch.minimum(surrogate, clipped_surrogate), clipped_surrogate < surrogate
+
+
+def _loss_stats(loss: Tensor, pg_loss: Tensor, ratio: Tensor, clip_active: Tensor, mask: Tensor,
+                kl: Tensor | None, entropy: Tensor | None, dtype: torch.dtype) -> LossStats:
+    """The detached `LossStats` of one call: its losses, and means over its valid tokens (no host sync)."""
+    valid = mask.bool()
+    with torch.no_grad():
+        return LossStats(
+            loss=loss.detach(),
+            pg_loss=pg_loss.detach(),
+            clip_fraction=masked_mean((clip_active & valid).to(dtype), mask),
+            ratio_mean=masked_mean(ratio, mask),
+            num_tokens=valid.sum(),
+            kl=None if kl is None else masked_mean(kl.detach(), mask),
+            entropy=None if entropy is None else masked_mean(entropy.detach(), mask),
+        )
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -249,67 +295,35 @@ def policy_loss(
     with `cfg.loss_agg` and the given totals throughout. Only `logprobs` (and `entropy`, if the caller
     made it differentiable) receive gradients; old/ref log-probs and advantages are constants.
     """
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be (N, T), got shape {tuple(logprobs.shape)}")
-    named = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs, "entropy": entropy}
-    for name, tensor in named.items():
-        if tensor is not None and tensor.shape != logprobs.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)}, expected {tuple(logprobs.shape)} like logprobs"
-            )
-    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
-        raise ValueError(
-            f"advantages has shape {tuple(advantages.shape)}, expected (N,) = {tuple(logprobs.shape[:1])} "
-            f"or (N, T) = {tuple(logprobs.shape)}"
-        )
-    if cfg.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef={cfg.kl_coef} > 0 but no ref_logprobs were given")
-    if cfg.entropy_coef != 0 and entropy is None:
-        raise ValueError(f"entropy_coef={cfg.entropy_coef} != 0 but no entropy was given")
-
+    _check_policy_loss_inputs(logprobs, old_logprobs, advantages, mask, cfg, ref_logprobs, entropy)
     valid = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
 
     def clean(t: Tensor) -> Tensor:  # zero padding so garbage there can't leak into values or grads
         return torch.where(valid, t, zero)
 
-    totals = dict(total_tokens=total_tokens, total_seqs=total_seqs, max_len=max_len)
+    def agg(t: Tensor) -> Tensor:
+        return aggregate(t, mask, cfg.loss_agg, total_tokens=total_tokens, total_seqs=total_seqs, max_len=max_len)
+
     logprobs = clean(logprobs)
     old_logprobs = clean(old_logprobs.detach())
     adv = advantages.detach()
     adv = clean(adv.unsqueeze(-1).expand_as(logprobs) if adv.dim() == 1 else adv)
 
     ratio = _importance_ratio(logprobs, old_logprobs, valid, cfg.importance)
-    clipped_ratio = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    surrogate = ratio * adv
-    clipped_surrogate = clipped_ratio * adv
-    pg_per_token = -torch.minimum(surrogate, clipped_surrogate)
-    pg_loss = aggregate(pg_per_token, mask, cfg.loss_agg, **totals)
+    pg_per_token, clip_active = _clipped_surrogate(ratio, adv, cfg)
+    pg_loss = agg(pg_per_token)
     loss = pg_loss
 
-    kl_mean = None
+    kl = None
     if ref_logprobs is not None:
         kl = clean(kl_penalty(logprobs, clean(ref_logprobs.detach()), cfg.kl_estimator))
         if cfg.kl_coef > 0:
-            loss = loss + cfg.kl_coef * aggregate(kl, mask, cfg.loss_agg, **totals)
-        kl_mean = masked_mean(kl.detach(), mask)
+            loss = loss + cfg.kl_coef * agg(kl)
 
-    entropy_mean = None
     if entropy is not None:
         entropy = clean(entropy)
         if cfg.entropy_coef != 0:
-            loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss_agg, **totals)
-        entropy_mean = masked_mean(entropy.detach(), mask)
+            loss = loss - cfg.entropy_coef * agg(entropy)
 
-    with torch.no_grad():
-        clip_active = (clipped_surrogate < surrogate) & valid
-        stats = LossStats(
-            loss=loss.detach(),
-            pg_loss=pg_loss.detach(),
-            clip_fraction=masked_mean(clip_active.to(logprobs.dtype), mask),
-            ratio_mean=masked_mean(ratio, mask),
-            num_tokens=valid.sum(),
-            kl=kl_mean,
-            entropy=entropy_mean,
-        )
-    return loss, stats
+    return loss, _loss_stats(loss, pg_loss, ratio, clip_active, mask, kl, entropy, logprobs.dtype)

@@ -1,13 +1,14 @@
 """What the step runtime asks of a rollout engine, and what each engine declares it supports.
 
-The shape follows verl's `BaseRollout` (generate, update weights, release, resume): the runtime calls
-`update_weights()` before a rollout whose policy changed since the last one, `generate` to sample, `release()`
-to hand the engine's memory (KV pool, gathered weights) back for the phases after rollout, and `resume()` before
-the next generate. Engines whose weights are the actor's own storage do nothing in `update_weights`.
+The shape follows verl's `BaseRollout` (generate, update weights, release, resume): the step calls `generate` to
+sample and `release()` to hand the engine's memory (KV pool, gathered weights) back for the phases after rollout.
+`generate` itself takes back what it needs (`resume()`) and, in an engine with weights of its own (SGLang, a
+rollout model at another TP degree), first brings them to the actor's current weights (`update_weights()`), so a
+step cannot sample from a stale policy. Engines whose weights are the actor's own storage do nothing in either.
 
 Capabilities are declared, not discovered: the planner (runtime/plan.py) places fused or decode-window work
-only where the engine supports it and records in the schedule why it did not otherwise. An engine given a hook it
-does not support raises (`reject_unsupported_hooks`) instead of dropping it, so a schedule can never say
+only where the engine supports it and records in the plan why it did not otherwise. An engine given a hook it
+does not support raises (`reject_unsupported_hooks`) instead of dropping it, so a plan can never say
 `window:rollout` while nothing runs there. This is the seam an SGLang backend plugs into.
 """
 
@@ -24,7 +25,7 @@ class RolloutCapabilities:
     step_hook            `on_step` is called after every decode step (window work once decode began)
     shares_actor_weights the engine decodes on the actor's own parameters, so prefix state it computes with the
                          actor (and its TP heads) is the actor's
-    why_not              one line per missing capability, for the schedule's reasons"""
+    why_not              one line per missing capability, for the plan's reasons"""
 
     prefill_hook: bool = True
     samples_finished_hook: bool = True
@@ -63,7 +64,7 @@ class RolloutEngineProtocol(Protocol):
 
 def reject_unsupported_hooks(engine_name: str, capabilities: RolloutCapabilities, *, on_step=None, prefill_fn=None,
                              on_samples_finished=None) -> None:
-    """Raise for a hook the engine does not run: a dropped hook would make the step's schedule lie."""
+    """Raise for a hook the engine does not run: a dropped hook would make the step's plan lie."""
     given = {"on_step": (on_step, capabilities.step_hook), "prefill_fn": (prefill_fn, capabilities.prefill_hook),
              "on_samples_finished": (on_samples_finished, capabilities.samples_finished_hook)}
     unsupported = [name for name, (hook, ok) in given.items() if hook is not None and not ok]

@@ -121,9 +121,9 @@ def gumbel_noise(uniforms: torch.Tensor) -> torch.Tensor:
 
 # Reductions over the vocabulary run in chunks, then over the chunks: a decode step has few rows (one per sequence)
 # and 152k entries per row, and a one-pass argmax gets one GPU block per row (inductor does not split arg-reductions),
-# which left most SMs idle (85.6 us per step at 64 rows on an H200). A chunk length that divides the vocabulary needs
-# no padding, so the noise is computed inside the chunked reduction instead of being written out first: one 64 us
-# kernel for Qwen2.5's 152,064 entries (44 chunks of 3,456), most of it the int64 hashing.
+# which leaves most SMs idle. A chunk length that divides the vocabulary needs no padding, so the noise is computed
+# inside the chunked reduction instead of being written out first: one kernel for Qwen2.5's 152,064 entries (44 chunks
+# of 3,456), most of it the int64 hashing.
 VOCAB_CHUNK = 2048
 
 

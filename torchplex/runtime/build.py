@@ -12,7 +12,7 @@ import torch
 
 from ..components.captured_step import plain_tensors
 from ..config import Config
-from ..models.qwen2_5_vl.parallelize import is_checkpointed
+from ..models.qwen2_5_vl.parallelize import heads_per_rank, is_checkpointed, tp_degree
 from ..rl.losses import PolicyLossConfig
 from .memory import MemoryManager, MemoryPlan, grads_group, kv_pool_group, module_group, optimizer_state_group
 from .memory_estimate import Footprint, MemoryEstimator, local_bytes
@@ -47,8 +47,11 @@ def step_settings(cfg: Config) -> StepSettings:
 
 
 def footprint(actor, reference, engine, settings: StepSettings, dp_size: int = 1) -> Footprint:
-    """What the memory estimate plans with: the models' bytes on this rank, the geometry, how the step runs."""
+    """What the memory estimate plans with: the models' bytes on this rank, the geometry, how the step runs. The
+    attention heads and the MLP width are a rank's (TP splits both over its degree), so the K/V a held prefix keeps
+    and the MLP activations a graph saves per token are this rank's."""
     mine = {id(p) for p in actor.parameters()}
+    num_heads, num_kv_heads = heads_per_rank(actor)
     trainable = [p for p in actor.parameters() if p.requires_grad]
     t, v = actor.args.text, actor.args.vision
     vision_trains = any(p.requires_grad for p in actor.visual.parameters())
@@ -57,8 +60,8 @@ def footprint(actor, reference, engine, settings: StepSettings, dp_size: int = 1
     return Footprint(
         actor_bytes=local_bytes(actor.parameters()), trainable_bytes=local_bytes(trainable),
         reference_bytes=0 if reference is None else local_bytes(p for p in reference.parameters() if id(p) not in mine),
-        num_layers=t.num_layers, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, vocab_size=t.vocab_size,
+        num_layers=t.num_layers, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size // tp_degree(actor),
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=t.head_dim, vocab_size=t.vocab_size,
         element_size=actor.output_weight.element_size(),
         vision_layer=(v.hidden_size, v.intermediate_size, v.spatial_merge_size ** 2) if vision_trains else (0, 0, 0),
         vision_depth=v.depth, checkpointed=is_checkpointed(actor), micro_batch_tokens=settings.micro_batch_tokens,

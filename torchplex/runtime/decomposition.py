@@ -11,7 +11,7 @@ A model thus runs P + G*R token-forwards per prompt instead of the serial G*(P+R
 Training backward runs in two parts (`DecomposedScorer.backward`). Every decoder weight and the token embeddings
 serve both the prefix and the suffixes, so in one backward each weight's `AccumulateGrad` node has two inputs: the
 suffix part is computed first and would wait in the node's input buffer until the prefix part arrives, a whole
-extra copy of those gradients (13 GiB in bf16 at 7B) at the start of the prefix backward. Instead the suffixes read
+extra copy of those gradients (the size of the held K/V) at the start of the prefix backward. Instead the suffixes read
 the prefix tensors detached, as leaves that require grad: their backward accumulates every weight's suffix part
 into `.grad` at once and leaves the prefix tensors' gradients on the leaves; a second backward from the prefix
 tensors with those gradients adds the prefix part (tests/test_suffix_grad_memory.py measures the difference).

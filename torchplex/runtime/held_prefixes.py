@@ -41,50 +41,51 @@ def held_forms_after_prefill(forms: list[PrefixChoice], prompts: list, store: Pr
 
 class TrainPrefixes:
     """One step's training-held actor prefixes: which prompt is held in which form and round, and `hold_round(r)`,
-    which runs round r's batched forwards (measured in the "prefix_forward" window)."""
+    which runs round r's batched forwards (measured in the "prefix_forward" window). `held_train_forms` records the
+    forms the forwards really held; `reasons` gets a line for every form that differs from the plan."""
 
-    def __init__(self, step, s):
-        self.step, self.s = step, s
-        choices = s.plan.train_prefix_forms
-        self.held = self._forms(choices)
+    def __init__(self, scorer, actor, prompts: list, plan, prefill_forms: list[PrefixChoice], keep_groups: list[bool],
+                 prefixes: PrefixStore, windows, compact_rate: float, reasons: list[str], *, dp_size: int = 1,
+                 dp_group=None, device=None, batched_actor_prefix: bool = False):
+        self.prompts, self.plan, self.prefixes, self.windows = prompts, plan, prefixes, windows
+        self.compact_rate, self.reasons, self.dp_size = compact_rate, reasons, dp_size
+        choices = plan.train_prefix_forms
+        agree = dp_size > 1 and batched_actor_prefix and plan.mode == "decomposed"
+        self.held = self._forms(choices, keep_groups, dp_group, device) if agree else {
+            id(prompts[c.prompt]): c.form for c in choices if c.form != NONE and keep_groups[c.prompt]}
         last = max((c.round for c in choices if c.form != NONE), default=0)
-        self.rounds = [last] * len(s.prompts)  # a prompt held in none runs with the last round
-        for c in s.report.held_forms + choices:
+        self.rounds = [last] * len(prompts)  # a prompt held in none runs with the last round
+        for c in prefill_forms + choices:
             if c.form != NONE:
                 self.rounds[c.prompt] = c.round
         self.in_rounds = bool(self.held) and last > 0
-        self._prefill = fused_prefill(step.scorer, step.actor, s.prefixes, self.held) if self.held else None
+        self._prefill = fused_prefill(scorer, actor, prefixes, self.held) if self.held else None
+        self.held_train_forms: list[PrefixChoice] = []
 
-    def _forms(self, choices: list[PrefixChoice]) -> dict[int, str]:
-        """id(prompt) -> its form. Data-parallel decomposed: one form for every prompt of every rank
-        (agree_on_held_form), the dropped groups' too, as the overlapped mode holds them: a rank pads its
+    def _forms(self, choices: list[PrefixChoice], keep_groups: list[bool], dp_group, device) -> dict[int, str]:
+        """id(prompt) -> its form when data-parallel ranks hold decomposed prefixes: one form for every prompt of
+        every rank (agree_on_held_form), the dropped groups' too, as the overlapped mode holds them: a rank pads its
         micro-batches with passes over its dropped groups (training.equal_micro_batches), which must find their
         prefixes held to run the same FSDP2 collectives as another rank's real micro-batches."""
-        step, s = self.step, self.s
-        prompts = s.prompts
-        if step.dp_size > 1 and step.settings.plan.batched_actor_prefix and s.plan.mode == "decomposed":
-            form = agree_on_held_form([c.form for c in choices], step.dp_group, step.device)
-            if any(c.form != form for c in choices):
-                s.report.reasons.append(f"actor prefixes in training held as {form} for every prompt: the "
-                                        "data-parallel ranks' agreed form (memory_budget.agree_on_held_form)")
-            return {id(prompts[c.prompt]): form for c in choices} if form != NONE else {}
-        keep = s.experience.keep_groups.tolist()
-        return {id(prompts[c.prompt]): c.form for c in choices if c.form != NONE and keep[c.prompt]}
+        form = agree_on_held_form([c.form for c in choices], dp_group, device)
+        if any(c.form != form for c in choices):
+            self.reasons.append(f"actor prefixes in training held as {form} for every prompt: the data-parallel "
+                                "ranks' agreed form (memory_budget.agree_on_held_form)")
+        return {id(self.prompts[c.prompt]): form for c in choices} if form != NONE else {}
 
     def hold_round(self, r: int) -> None:
         """Round r's kept prompts' actor prefixes in batched forwards, held for epoch 0's micro-batches of the
         round: one batch per group of similar lengths (little padding held) of at most HELD_BATCH_TOKENS;
         data-parallel ranks run one batch each, as their FSDP2 gathers must match in number."""
-        s, step = self.s, self.step
-        prompts = [p for b, p in enumerate(s.prompts) if id(p) in self.held and self.rounds[b] == r]
+        prompts = [p for b, p in enumerate(self.prompts) if id(p) in self.held and self.rounds[b] == r]
         if not prompts:
             return
         batches = ([b for g in length_groups(prompts, length=prompt_length)
-                    for b in token_batches(g, HELD_BATCH_TOKENS, prompt_length)] if step.dp_size == 1 else [prompts])
-        windows = step.windows
+                    for b in token_batches(g, HELD_BATCH_TOKENS, prompt_length)] if self.dp_size == 1 else [prompts])
+        windows = self.windows
         stays = windows.counter.allocated if windows.counter is not None else None
         with windows.window("prefix_forward", growth=stays):  # its transient beyond what the batches keep held
             for batch in batches:
                 self._prefill(batch)
-        s.report.held_train_forms = held_forms_after_prefill(
-            s.plan.train_prefix_forms, s.prompts, s.prefixes, step.memory.compact_rate(), s.report.reasons)
+        self.held_train_forms = held_forms_after_prefill(self.plan.train_prefix_forms, self.prompts, self.prefixes,
+                                                         self.compact_rate, self.reasons)

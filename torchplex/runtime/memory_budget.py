@@ -13,9 +13,9 @@ from what is left, how each prompt's actor prefix may be held from the rollout t
                 training lives through all three stages, so it must fit beside the fullest one
 
 Holding forms, chosen per prompt in admission order (`choose_prefix_forms`):
-    graph       the whole autograd graph of the fused prefill (bytes per token: overlap.SavedBytes, measured on the
+    graph       the whole autograd graph of the fused prefill (bytes per token: prefixes.SavedBytes, measured on the
                 first fused step; memory_estimate's prior until then), for as many prompts as fit in the room
-    compact     the fused prefill under per-layer checkpointing (overlap.CompactPrefix): what it holds is each decoder
+    compact     the fused prefill under per-layer checkpointing (prefixes.CompactPrefix): what it holds is each decoder
                 layer's (and trainable vision block's) input, the layer-boundary hidden states, and the prefix K/V
                 with their graph (both forms count every storage the held prefix keeps alive once: SavedBytes);
                 the backward recomputes layer by layer
@@ -72,7 +72,7 @@ class BatchTooLargeError(RuntimeError):
 
 @dataclass(frozen=True)
 class PrefixChoice:
-    """How one prompt's actor prefix is held from the rollout to training (the schedule records one per prompt)."""
+    """How one prompt's actor prefix is held from the rollout to training (the plan records one per prompt)."""
 
     prompt: int
     form: str    # GRAPH | COMPACT | NONE

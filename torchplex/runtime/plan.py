@@ -46,7 +46,7 @@ class StepShape:
     prefix_room_bytes: int = 0
     # what a prefix computed and held within the train stage may take (MemoryBudget.train_room_bytes); 0: nothing
     train_room_bytes: int = 0
-    # what the compact form (overlap.CompactPrefix: layer-boundary hidden states) holds per prompt token; 0: none
+    # what the compact form (prefixes.CompactPrefix: layer-boundary hidden states) holds per prompt token; 0: none
     compact_bytes_per_token: float = 0
     # the reference's prefixes may run batched ahead of its suffixes (the runner's: one GPU or plain tensors, whose
     # forwards gather nothing across ranks, and reference micro-batches of whole groups); why not, otherwise
@@ -54,7 +54,7 @@ class StepShape:
     device: str = "cpu"
     # training's held prefixes may come in rounds (memory_budget.choose_train_rounds): one process (data-parallel
     # ranks hold one form for every prompt in one batch: their FSDP2 collectives must match) and an actor of plain
-    # tensors (overlap.SavedBytes reads each parameter's storage, which a tensor-parallel DTensor does not expose)
+    # tensors (prefixes.SavedBytes reads each parameter's storage, which a tensor-parallel DTensor does not expose)
     train_rounds: bool = True
 
     @property

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from ..data.batching import length_groups, padded_tokens, token_batches
 from ..models import fusion
@@ -133,19 +134,28 @@ def prompt_part(state: PrefixState, b: int, length: int) -> PrefixState:
                        state.lengths[b:b + 1], state.next_position[b:b + 1], state.last_hidden[b:b + 1])
 
 
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """t's storage; a DTensor's (an FSDP2 or TP parameter, a TP layer's saved input) is its local shard's: the
+    wrapper has no storage of its own."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            t = t.to_local()
+    return t.untyped_storage()
+
+
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     """Counts the distinct storages an autograd graph saves for backward while active, the model's parameters left
     out (they are held anyway): the activations a graph kept alive until its backward."""
 
     def __init__(self, model):
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._params = {_storage(p).data_ptr() for p in model.parameters()}
         self._seen: set[int] = set()
         self.nbytes = 0
         super().__init__(self._pack, lambda t: t)
 
     def count(self, t: torch.Tensor) -> None:
         """Add t's storage, once: a tensor kept for backward by other means (CompactPrefix's block inputs) too."""
-        storage = t.untyped_storage()
+        storage = _storage(t)
         key = storage.data_ptr()
         if key not in self._seen and key not in self._params:
             self._seen.add(key)

@@ -161,15 +161,15 @@ class SharedRolloutEngine:
 
 
 def build_rollout_engine(actor, parallel_dims: ParallelDims | None, t_roll: int, *, kv_pool_bytes: int,
-                         max_batch: int, pad_id: int, device: torch.device, compact_decode: bool = False):
+                         max_batch: int, pad_id: int, device: torch.device):
     """The trainer's engine: on the actor itself when rollout_tp equals tp, else a SharedRolloutEngine.
 
-    Decode runs as one captured CUDA graph only when its weights keep fixed addresses and it makes no
-    collective: a plain actor, or a rollout model of TP 1 whose actor is not FSDP2-sharded (FSDP2 reallocates
-    the gathered storage the shared weights point at on every regather)."""
+    Decode runs as captured CUDA graphs (one per ladder size) only when its weights keep fixed addresses and it
+    makes no collective: a plain actor, or a rollout model of TP 1 whose actor is not FSDP2-sharded (FSDP2
+    reallocates the gathered storage the shared weights point at on every regather)."""
     t_train = parallel_dims.tp if parallel_dims is not None else 1
     cuda = device.type == "cuda"
-    common = dict(kv_pool_bytes=kv_pool_bytes, max_batch=max_batch, pad_id=pad_id, compact_decode=compact_decode)
+    common = dict(kv_pool_bytes=kv_pool_bytes, max_batch=max_batch, pad_id=pad_id)
     if t_roll == t_train:
         return RolloutEngine(actor, compile_decode=cuda and parallel_dims is None, **common)
     fsdp = parallel_dims is not None and parallel_dims.fsdp_enabled

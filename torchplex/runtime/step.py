@@ -277,7 +277,10 @@ class GRPOStep:
         s.gathers.close()
 
     def _train(self, s: _State) -> None:
-        held = TrainPrefixes(self, s)
+        held = TrainPrefixes(self.scorer, self.actor, s.prompts, s.plan, s.report.held_forms,
+                             s.experience.keep_groups.tolist(), s.prefixes, self.windows, self.memory.compact_rate(),
+                             s.report.reasons, dp_size=self.dp_size, dp_group=self.dp_group, device=self.device,
+                             batched_actor_prefix=self.settings.plan.batched_actor_prefix)
         log = s.report.recompute
         recompute_for = self.memory.recompute_policy(
             s.plan.mode == "serial", lambda p: self.scorer.store.has(self.actor, p), _tp_group(self.actor),
@@ -290,6 +293,7 @@ class GRPOStep:
             recompute_for=recompute_for, windows=windows, rounds=held.rounds if held.in_rounds else None,
             hold_round=held.hold_round))
         log.update(s.result.recompute)  # how many forwards recomputed and how many kept their graph
+        s.report.held_train_forms = held.held_train_forms
         if windows is not None:
             self._measure_train(s, held)
 

@@ -145,6 +145,10 @@ class TrainPhase:
     def __init__(self, actor, scorer: Scorer, optimizer, lr_scheduler, settings: TrainSettings):
         self.actor, self.scorer, self.optimizer, self.lr_scheduler = actor, scorer, optimizer, lr_scheduler
         self.s = settings
+        # the actor's parameters as the optimizer got them, before any forward: a forward leaves an FSDP2 root unit
+        # gathered (the held prefixes' graph needs it until its backward), and a gathered unit's parameters() are its
+        # unsharded copies, whose gradients the reduce-scatter moves to these (clipping the copies misses them)
+        self.params = list(actor.parameters())
 
     def run(self, exp: Experience, memory: TrainMemory | None = None) -> TrainResult:
         s, memory = self.s, memory or TrainMemory()
@@ -156,7 +160,7 @@ class TrainPhase:
         if exp.old_logprobs is None:
             exp.old_logprobs = torch.zeros(exp.tokens.shape, dtype=torch.float32, device=exp.tokens.device)
         result, entropies, epoch_stats = TrainResult(stats=None), [], []
-        trainable = [p for p in self.actor.parameters() if p.requires_grad]
+        trainable = [p for p in self.params if p.requires_grad]
         window = self._windows(memory, trainable)
         for epoch, plan in enumerate(epoch_plans(exp, s, memory.rounds)):
             self.optimizer.zero_grad(set_to_none=True)

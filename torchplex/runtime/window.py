@@ -117,11 +117,11 @@ class WindowWorker:
                 self._jobs.task_done()
 
 
-WINDOW_PREFIX_PROMPTS = 4  # reference prefixes per window job when decode begins: ~4,200 tokens at img, fewer launches
+WINDOW_PREFIX_PROMPTS = 4  # reference prefixes per window job when decode begins: a few thousand tokens of image prompts, fewer launches
 
 
 class DecodeWindowJobs:
-    """The reference work a schedule places in the rollout's decode window, as hooks for the engine.
+    """The reference work the plan places in the rollout's decode window, as hooks for the engine.
 
     ref_prefix in the window: once decode has begun (its first step: every prompt's prefill is done), one job per
     WINDOW_PREFIX_PROMPTS prompts holds their reference prefixes (one batched forward, as the ref stage's). ref_suffix in

@@ -65,6 +65,21 @@ def check_tp_divisibility(model: Qwen2_5_VLModel, tp: int) -> None:
                              f"choose tp among the divisors of {name}")
 
 
+def tp_degree(model: Qwen2_5_VLModel) -> int:
+    """The degree `apply_tp` split `model`'s decoder layers over (1: not split), read off a column-parallel weight's
+    mesh: its "tp" axis (an FSDP2 axis beside it, as in a 2-D (dp_shard, tp) mesh, shards storage, not heads)."""
+    mesh = getattr(model.layers[0].attention.wk.weight, "device_mesh", None)
+    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return mesh.size(names.index("tp")) if "tp" in names else 1
+
+
+def heads_per_rank(model: Qwen2_5_VLModel) -> tuple[int, int]:
+    """(query heads, K/V heads) one rank's attention projects: whole heads, the model's over its TP degree. What a
+    rank's KV cache holds per token and layer, not the model's global count."""
+    t, tp = model.args.text, tp_degree(model)
+    return t.num_heads // tp, t.num_kv_heads // tp
+
+
 def apply_tp(model: Qwen2_5_VLModel, tp_mesh) -> None:
     check_tp_divisibility(model, tp_mesh.size())
     for layer in model.layers:

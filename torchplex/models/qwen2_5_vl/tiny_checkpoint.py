@@ -192,10 +192,17 @@ def train_tokenizer(target_vocab_size: int = TARGET_VOCAB_SIZE, full_vocab: bool
 
 
 def model_args_for(tokenizer, size: str = "debug", tie_word_embeddings: bool | None = None,
-                   window_size: int | None = None, full_vocab: bool = False) -> ModelArgs:
+                   window_size: int | None = None, full_vocab: bool = False,
+                   num_kv_heads: int | None = None) -> ModelArgs:
     """`get_flavor(size)` with token ids taken from the tokenizer and the vocab sized to it (rounded up to 64), or,
-    `full_vocab`, the flavor's published vocabulary."""
+    `full_vocab`, the flavor's published vocabulary. `num_kv_heads` overrides the decoder's K/V head count (a
+    divisor of its query heads): another GQA ratio at the same size, e.g. 2 K/V heads per rank under TP 2."""
     args = get_flavor(size)
+    if num_kv_heads is not None:
+        if num_kv_heads < 1 or args.text.num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads {num_kv_heads} must divide the {size!r} flavor's "
+                             f"{args.text.num_heads} query heads")
+        args.text.num_kv_heads = num_kv_heads
     if not full_vocab:
         args.text.vocab_size = -(-len(tokenizer) // 64) * 64
     elif args.text.vocab_size < len(tokenizer):
@@ -287,6 +294,89 @@ def _write_native_weights(output: Path, args: ModelArgs, seed: int, device: str,
     return sum(p.numel() for p in model.parameters())
 
 
+def _hf_configs(args: ModelArgs, dtype: str):
+    """The HF `config.json` contents as a dict (kept for the top-level token ids) and as a `Qwen2_5_VLConfig`."""
+    from transformers import Qwen2_5_VLConfig
+
+    hf_config = args.to_hf_config()
+    hf_config["dtype"] = dtype
+    # transformers 5 validates `tokens_per_second` as int (Qwen's own configs write 2, not 2.0).
+    tps = hf_config["vision_config"]["tokens_per_second"]
+    if float(tps).is_integer():
+        hf_config["vision_config"]["tokens_per_second"] = int(tps)
+    return hf_config, Qwen2_5_VLConfig(**hf_config)
+
+
+def _generation_config(args: ModelArgs, mean_response: int):
+    """Qwen's stop tokens (<|im_end|>, <|endoftext|>), plus the long-tail stops of `mean_response`."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        bos_token_id=args.bos_token_id, pad_token_id=args.pad_token_id,
+        eos_token_id=[args.eos_token_id, args.bos_token_id] + long_tail_stops(args.text.vocab_size, mean_response))
+
+
+def _write_transformers_weights(output: Path, config, generation, seed: int,
+                                max_shard_size: str | int | None) -> int:
+    """transformers' own seeded CPU float32 init plus random biases, saved with config and generation config;
+    returns the parameter count. The caller's CPU RNG stream is left as it was."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+        # transformers zeroes biases; random ones make a loader that drops a bias fail its tests.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, INIT_STD)
+    model.generation_config = generation
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+    model.save_pretrained(output, safe_serialization=True, **save_kwargs)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _count_params(config) -> int:
+    """Parameters of the model `config` describes, counted on the meta device (nothing allocated)."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen2_5_VLForConditionalGeneration(config).parameters())
+
+
+def _add_top_level_token_ids(output: Path, hf_config: dict) -> None:
+    """Copy the bos/eos/pad ids to the top level of `config.json`: transformers 5.12 (what SGLang 0.5.17 needs)
+    saves them only in text_config, while Hub Qwen2.5-VL configs and later transformers releases carry them at the
+    top level too."""
+    saved = json.loads((output / "config.json").read_text())
+    missing = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k not in saved}
+    if missing:
+        _write_json(output / "config.json", {**saved, **missing})
+
+
+def _write_tokenizer_and_processors(output: Path, tokenizer, args: ModelArgs, min_pixels: int, max_pixels: int,
+                                    video_min_pixels: int, video_max_pixels: int) -> None:
+    """Tokenizer, image and video processor configs, written piecewise as a hub checkpoint ships them.
+
+    transformers 5 cannot even construct a Qwen2_5_VLProcessor without torchvision (it type-checks the video
+    slot), so there is no processor object to `save_pretrained` here."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer.save_pretrained(output)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=args.vision.patch_size,
+        temporal_patch_size=args.vision.temporal_patch_size, merge_size=args.vision.spatial_merge_size)
+    image_processor.save_pretrained(output)  # preprocessor_config.json
+    with open(output / "preprocessor_config.json") as f:
+        image_config = json.load(f)
+    image_config["processor_class"] = PROCESSOR_CLASS  # lets AutoProcessor resolve the class, as on the hub
+    _write_json(output / "preprocessor_config.json", image_config)
+    _write_json(output / "video_preprocessor_config.json",
+                _video_processor_config(args, video_min_pixels, video_max_pixels))
+
+
 def make_tiny_checkpoint(
     output: str | Path,
     size: str = "debug",
@@ -303,6 +393,7 @@ def make_tiny_checkpoint(
     device: str | None = None,
     dtype: str = "float32",
     mean_response: int = 0,
+    num_kv_heads: int | None = None,
 ) -> TinyCheckpoint:
     """Write tokenizer, processor, config and seeded random weights to `output`; returns a summary.
 
@@ -314,12 +405,9 @@ def make_tiny_checkpoint(
     tokens for long-tailed random responses (`long_tail_stops`).
 
     `max_shard_size` (e.g. "200KB"; bytes with `device`) writes `model.safetensors.index.json` plus shards; None
-    writes a single `model.safetensors`. `tie_word_embeddings`/`window_size` override the flavor's values.
+    writes a single `model.safetensors`. `tie_word_embeddings`/`window_size`/`num_kv_heads` override the flavor's
+    values.
     """
-    import torch
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     published = full_vocab  # the processors' pixel budgets: Qwen's own, or the tiny ones
     min_pixels = min_pixels or (QWEN_MIN_PIXELS if published else DEFAULT_MIN_PIXELS)
     max_pixels = max_pixels or (QWEN_MAX_PIXELS if published else DEFAULT_MAX_PIXELS)
@@ -328,62 +416,21 @@ def make_tiny_checkpoint(
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(full_vocab=full_vocab)
-    args = model_args_for(tokenizer, size, tie_word_embeddings, window_size, full_vocab=full_vocab)
+    args = model_args_for(tokenizer, size, tie_word_embeddings, window_size, full_vocab=full_vocab,
+                          num_kv_heads=num_kv_heads)
+    hf_config, config = _hf_configs(args, dtype)
+    generation = _generation_config(args, mean_response)
 
-    hf_config = args.to_hf_config()
-    hf_config["dtype"] = dtype
-    # transformers 5 validates `tokens_per_second` as int (Qwen's own configs write 2, not 2.0).
-    tps = hf_config["vision_config"]["tokens_per_second"]
-    if float(tps).is_integer():
-        hf_config["vision_config"]["tokens_per_second"] = int(tps)
-    config = Qwen2_5_VLConfig(**hf_config)
-    generation = GenerationConfig(  # Qwen stops on <|im_end|> or <|endoftext|>
-        bos_token_id=args.bos_token_id, pad_token_id=args.pad_token_id,
-        eos_token_id=[args.eos_token_id, args.bos_token_id] + long_tail_stops(args.text.vocab_size, mean_response))
-    if weights and (device is not None or dtype != "float32"):
-        num_params = _write_native_weights(output, args, seed, device or "cpu", dtype, max_shard_size)
-        config.save_pretrained(output)
-        generation.save_pretrained(output)
-    elif weights:
-        with torch.random.fork_rng(devices=[]):  # seed locally: the caller's CPU RNG stream is untouched
-            torch.manual_seed(seed)
-            model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
-            # transformers zeroes biases; random ones make a loader that drops a bias fail its tests.
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    if name.endswith(".bias"):
-                        param.normal_(0.0, INIT_STD)
-        model.generation_config = generation
-        save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
-        model.save_pretrained(output, safe_serialization=True, **save_kwargs)
-        num_params = sum(p.numel() for p in model.parameters())
+    if weights and device is None and dtype == "float32":  # transformers' CPU init, saved with both configs
+        num_params = _write_transformers_weights(output, config, generation, seed, max_shard_size)
     else:
-        with torch.device("meta"):  # only to count the parameters
-            num_params = sum(p.numel() for p in Qwen2_5_VLForConditionalGeneration(config).parameters())
+        num_params = (_write_native_weights(output, args, seed, device or "cpu", dtype, max_shard_size) if weights
+                      else _count_params(config))
         config.save_pretrained(output)
         generation.save_pretrained(output)
-    # transformers 5.12 (what SGLang 0.5.17 needs) saves the token ids only in text_config; Hub Qwen2.5-VL configs,
-    # and later transformers releases, carry them at the top level too
-    saved = json.loads((output / "config.json").read_text())
-    missing = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k not in saved}
-    if missing:
-        _write_json(output / "config.json", {**saved, **missing})
-
-    # Written piecewise, as a hub checkpoint ships them: transformers 5 cannot even construct a
-    # Qwen2_5_VLProcessor without torchvision (it type-checks the video slot), so there is no
-    # processor object to `save_pretrained` here.
-    tokenizer.save_pretrained(output)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=args.vision.patch_size,
-        temporal_patch_size=args.vision.temporal_patch_size, merge_size=args.vision.spatial_merge_size)
-    image_processor.save_pretrained(output)  # preprocessor_config.json
-    with open(output / "preprocessor_config.json") as f:
-        image_config = json.load(f)
-    image_config["processor_class"] = PROCESSOR_CLASS  # lets AutoProcessor resolve the class, as on the hub
-    _write_json(output / "preprocessor_config.json", image_config)
-    _write_json(output / "video_preprocessor_config.json",
-                _video_processor_config(args, video_min_pixels, video_max_pixels))
-
+    _add_top_level_token_ids(output, hf_config)
+    _write_tokenizer_and_processors(output, tokenizer, args, min_pixels, max_pixels, video_min_pixels,
+                                    video_max_pixels)
     return TinyCheckpoint(path=output, num_params=num_params,
                           vocab_size=args.text.vocab_size, tokenizer_size=len(tokenizer),
                           sharded=(output / "model.safetensors.index.json").is_file())

@@ -196,26 +196,20 @@ def _read_into(param: torch.Tensor, f, hf_key: str) -> int:
     return block.numel() * block.element_size()
 
 
-def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike,
-                    adapter: Qwen2_5_VLStateDictAdapter | None = None, strict: bool = True) -> LoadReport:
-    """Fill ``model``'s parameters (native names, plain tensors or DTensors, any device) in place from
-    the HF safetensors checkpoint in ``hf_dir``, casting to each parameter's dtype.
-
-    Raises CheckpointMismatchError for a mis-shaped tensor always, and for missing or unexpected
-    tensors when ``strict``; each message names the native key, the HF key and the file.
-    """
-    checkpoint = HFCheckpoint.open(hf_dir)
-    adapter = _resolve_adapter(model, checkpoint.directory, adapter)
-    layout = adapter.detect_layout(checkpoint.weight_map)
-    report = LoadReport(hf_dir=checkpoint.directory, layout=layout)
-
-    # keep_vars: the Parameters themselves (not detached copies), so copy_ writes into the model.
+def _materialised_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's Parameters themselves (keep_vars: not detached copies, so copy_ writes into the model) under
+    native names; refuses a parameter still on the meta device."""
     params = native_state_dict(model, keep_vars=True)
     for name, p in params.items():
         if p.is_meta:
             raise RuntimeError(f"parameter {name!r} is on the meta device; materialise the model "
                                f"(model.to_empty(device=...)) before loading weights")
+    return params
 
+
+def _match_keys(checkpoint: HFCheckpoint, adapter: Qwen2_5_VLStateDictAdapter, params: Mapping[str, torch.Tensor],
+                report: LoadReport) -> dict[str, str]:
+    """The HF key of each native parameter the checkpoint has; records skipped, unexpected and missing keys."""
     hf_key_of: dict[str, str] = {}
     for hf_key in checkpoint.weight_map:
         if adapter.is_dropped_hf_key(hf_key):
@@ -227,14 +221,19 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike,
         else:
             report.unexpected.append(hf_key)
     report.missing = [name for name in params if name not in hf_key_of]
+    return hf_key_of
 
-    # Check everything against the file headers before touching a parameter: a failed load leaves the
-    # model as it was, and one error lists every problem.
+
+def _check_against_headers(checkpoint: HFCheckpoint, adapter: Qwen2_5_VLStateDictAdapter,
+                           params: Mapping[str, torch.Tensor], hf_key_of: Mapping[str, str], report: LoadReport,
+                           strict: bool) -> None:
+    """Raise one CheckpointMismatchError listing every problem, from the file headers alone, before any parameter
+    is touched: a failed load leaves the model as it was. Missing and unexpected keys count only when `strict`."""
     problems = []
     if strict:
         for name in report.missing:
-            problems.append(f"missing: native {name!r} (HF {_hf_or_none(adapter, name, layout)!r}, expected in "
-                            f"{checkpoint.expected_location}) shape {tuple(params[name].shape)} not found")
+            problems.append(f"missing: native {name!r} (HF {_hf_or_none(adapter, name, report.layout)!r}, expected "
+                            f"in {checkpoint.expected_location}) shape {tuple(params[name].shape)} not found")
         for hf_key in report.unexpected:
             problems.append(f"unexpected: HF {hf_key!r} in {checkpoint.weight_map[hf_key]} (native "
                             f"{_native_or_none(adapter, hf_key)!r}) has no parameter in the model")
@@ -251,6 +250,10 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike,
         raise CheckpointMismatchError(f"checkpoint {checkpoint.directory} does not match the model:\n  "
                                       + "\n  ".join(problems))
 
+
+def _copy_tensors(checkpoint: HFCheckpoint, params: Mapping[str, torch.Tensor], hf_key_of: Mapping[str, str],
+                  report: LoadReport) -> None:
+    """Copy each matched tensor into its parameter (this rank's part), opening each file once."""
     native_of = {hf_key: name for name, hf_key in hf_key_of.items()}
     by_file = checkpoint.keys_by_file([hf_key_of[name] for name in params if name in hf_key_of])
     with torch.no_grad():
@@ -259,6 +262,23 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike,
                 for hf_key in hf_keys:
                     report.bytes_read += _read_into(params[native_of[hf_key]], f, hf_key)
                     report.loaded.append(native_of[hf_key])
+
+
+def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike,
+                    adapter: Qwen2_5_VLStateDictAdapter | None = None, strict: bool = True) -> LoadReport:
+    """Fill ``model``'s parameters (native names, plain tensors or DTensors, any device) in place from
+    the HF safetensors checkpoint in ``hf_dir``, casting to each parameter's dtype.
+
+    Raises CheckpointMismatchError for a mis-shaped tensor always, and for missing or unexpected
+    tensors when ``strict``; each message names the native key, the HF key and the file.
+    """
+    checkpoint = HFCheckpoint.open(hf_dir)
+    adapter = _resolve_adapter(model, checkpoint.directory, adapter)
+    report = LoadReport(hf_dir=checkpoint.directory, layout=adapter.detect_layout(checkpoint.weight_map))
+    params = _materialised_params(model)
+    hf_key_of = _match_keys(checkpoint, adapter, params, report)
+    _check_against_headers(checkpoint, adapter, params, hf_key_of, report, strict)
+    _copy_tensors(checkpoint, params, hf_key_of, report)
     return report
 
 

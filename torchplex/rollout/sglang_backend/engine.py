@@ -10,12 +10,11 @@ trainable ones (a frozen vision tower is not sent again).
 Capabilities (declared, the planner reads them): the model runs in SGLang's scheduler process, so there is no
 prefill hook (no fused actor prefix), no per-decode-step hook, and finished samples are not streamed back (one
 `async_generate` call per sample, all awaited together; handing finished ones on early is future work). The trainer's
-prefix and reference work therefore run after rollout, and the schedule says why. Running such work beside SGLang's
-decode anyway (from a second host thread of this process, as the decode window does) was measured on the H200
-(benchmarks/probes/sglang_overlap.py, 7B, 8 prompts x 8): without MPS the two processes time-slice the GPU (gain
-1.03x: the prefix work ran 1.8x slower and added 84 % of its own time to the rollout); with an MPS daemon, 1.12x
-(1.2x slower, 64 %). Hiding at most a third of work that is a few per cent of the rollout does not pay for holding
-its results through the rollout, so no capability for it is declared.
+prefix and reference work therefore run after rollout, and the plan says why. Running such work beside SGLang's
+decode anyway (from a second host thread of this process, as the decode window does) hid little of it: without MPS
+the two processes time-slice the GPU, and with an MPS daemon at most about a third of the prefix work was hidden
+(docs/sglang.md, benchmarks/probes/sglang_overlap.py). That does not pay for holding its results through the
+rollout, so no capability for it is declared.
 
 rollout_tp > 1: the engine runs on the first rank of the actor's TP group (SGLang's own TP over the group's
 GPUs); every rank joins the `full_tensor` gathers, the first one pushes and samples, and the outputs are
@@ -76,7 +75,7 @@ def check_sglang_available(device: torch.device) -> None:
 def allocator_conflict(alloc_conf: str) -> str:
     """Why SGLang cannot start under this PYTORCH_CUDA_ALLOC_CONF ("" when it can). Its memory saver (what releases
     the KV cache and weights while the actor trains) refuses expandable segments, and the scheduler process that
-    inherits the variable then dies while loading the model (seen on the H200 with SGLang 0.5.17)."""
+    inherits the variable then dies while loading the model."""
     options = dict(kv.split(":", 1) for kv in alloc_conf.replace(" ", "").split(",") if ":" in kv)
     if options.get("expandable_segments", "").lower() == "true":
         return ("rollout.backend = 'sglang' cannot run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: "
@@ -85,16 +84,27 @@ def allocator_conflict(alloc_conf: str) -> str:
     return ""
 
 
+# SGLang's fast text attention here. Its own default on Hopper is FlashAttention-3, which the GPU image's repacked
+# sglang-kernel wheel leaves out (../shared/gpu/SGLANG.md); FlashInfer is its other usual backend, installed with it.
+FAST_ATTENTION_BACKEND = "flashinfer"
+
+
 def engine_settings(model_path: str, *, tp_size: int, dtype: str, mem_fraction: float, seed: int,
-                    base_gpu_id: int = 0) -> dict:
-    """`sglang.Engine` keyword arguments: the settings seen starting on the H200 (../shared/gpu/SGLANG.md).
-    Deterministic inference is what makes `sampling_seed` reproduce a sample; the memory saver is what makes
-    release/resume free the KV cache and the weights."""
-    return dict(model_path=str(model_path), tp_size=tp_size, base_gpu_id=base_gpu_id, dtype=dtype,
-                random_seed=seed, mem_fraction_static=mem_fraction, attention_backend="triton",
-                mm_attention_backend="triton_attn", sampling_backend="pytorch", grammar_backend="none",
-                enable_memory_saver=True, enable_deterministic_inference=True, skip_server_warmup=True,
-                log_level="warning")
+                    base_gpu_id: int = 0, deterministic: bool = False) -> dict:
+    """`sglang.Engine` keyword arguments. By default SGLang's usual fast configuration: CUDA graphs and the radix
+    cache (its defaults, left on), FlashInfer text attention (`FAST_ATTENTION_BACKEND`), its default sampler; the
+    vision tower's attention stays "triton_attn", seen working on the GPU machine (a small share of a rollout). Beside
+    them only what this backend needs: the memory saver (release/resume free the KV cache and the weights), no
+    grammar backend, no server warm-up. deterministic (rollout.sglang_deterministic): deterministic inference with
+    the triton attention backend and the pytorch sampler, the settings seen working there (SGLANG.md), under which
+    `sampling_seed` reproduces a sample."""
+    settings = dict(model_path=str(model_path), tp_size=tp_size, base_gpu_id=base_gpu_id, dtype=dtype,
+                    random_seed=seed, mem_fraction_static=mem_fraction, attention_backend=FAST_ATTENTION_BACKEND,
+                    mm_attention_backend="triton_attn", grammar_backend="none", enable_memory_saver=True,
+                    skip_server_warmup=True, log_level="warning")
+    if deterministic:
+        settings.update(attention_backend="triton", sampling_backend="pytorch", enable_deterministic_inference=True)
+    return settings
 
 
 def default_engine_factory(**settings):
@@ -164,13 +174,12 @@ class SGLangRolloutEngine:
         prefill_hook=False, samples_finished_hook=False, step_hook=False, shares_actor_weights=False,
         why_not="rollout.backend = sglang: the model runs in SGLang's scheduler process, which takes no prefill "
                 "or decode-step hook, and finished samples are not streamed back; prefix work run beside its decode "
-                "from a thread of ours gained 1.03x without MPS and 1.12x with an MPS daemon (H200, 7B: "
-                "docs/sglang.md), too little to hold prefixes through the rollout for")
+                "from a thread of ours hid too little of it to hold prefixes through the rollout for (docs/sglang.md)")
 
     def __init__(self, actor, model_path: str, *, tp_size: int = 1, group=None, dtype: str = "bfloat16",
                  mem_fraction: float = 0.2, timeout_s: float = 600.0, bucket_bytes: int = 512 << 20, seed: int = 0,
                  base_gpu_id: int = 0, engine_factory: Callable = default_engine_factory,
-                 extra_settings: dict | None = None):
+                 extra_settings: dict | None = None, deterministic: bool = False):
         if timeout_s <= 0:
             raise ValueError(f"rollout.sglang_timeout_s must be > 0, got {timeout_s}")
         self.actor = actor
@@ -180,8 +189,9 @@ class SGLangRolloutEngine:
         self.timeout_s = float(timeout_s)
         self.bucket_bytes = int(bucket_bytes)
         self.stats = SGLangStats()
+        self.deterministic = deterministic  # seeded requests, SGLang's deterministic inference (engine_settings)
         self.settings = engine_settings(model_path, tp_size=tp_size, dtype=dtype, mem_fraction=mem_fraction,
-                                        seed=seed, base_gpu_id=base_gpu_id)
+                                        seed=seed, base_gpu_id=base_gpu_id, deterministic=deterministic)
         self.settings.update(extra_settings or {})
         self.engine = None
         if self.leader:
@@ -246,7 +256,7 @@ class SGLangRolloutEngine:
         outputs: list = []
         if self.engine is not None and prompts:
             t0 = time.perf_counter()
-            requests = build_requests(prompts, params, seeds)
+            requests = build_requests(prompts, params, seeds, seeded=self.deterministic)
 
             async def answer_all():
                 return await asyncio.gather(*(self.engine.async_generate(**r) for r in requests))
@@ -279,7 +289,7 @@ class SGLangRolloutEngine:
 
 def build_sglang_engine(actor, model_path: str, parallel_dims, rollout_tp: int, device: torch.device, *,
                         dtype: str, mem_fraction: float, timeout_s: float, bucket_mib: int, seed: int,
-                        engine_factory: Callable | None = None) -> SGLangRolloutEngine:
+                        deterministic: bool = False, engine_factory: Callable | None = None) -> SGLangRolloutEngine:
     """The trainer's SGLang engine: one per rank at rollout_tp = 1, one per actor TP group at rollout_tp = tp."""
     tp = parallel_dims.tp if parallel_dims is not None else 1
     if rollout_tp not in (1, tp):
@@ -291,5 +301,5 @@ def build_sglang_engine(actor, model_path: str, parallel_dims, rollout_tp: int, 
         base_gpu_id -= dist.get_rank(group)
     return SGLangRolloutEngine(actor, model_path, tp_size=rollout_tp, group=group, dtype=dtype,
                                mem_fraction=mem_fraction, timeout_s=timeout_s, bucket_bytes=bucket_mib << 20,
-                               seed=seed, base_gpu_id=base_gpu_id,
+                               seed=seed, base_gpu_id=base_gpu_id, deterministic=deterministic,
                                engine_factory=engine_factory or default_engine_factory)

@@ -1,7 +1,9 @@
 """What an SGLang request is made of, and what its answer becomes: both pure, so CI tests them without SGLang.
 
-One request per sample, each with its own `sampling_seed`: SGLang's `n=G` copies the parent's seed into every
-child (../shared/gpu/SGLANG.md), so G requests with G seeds are what gives G distinct, reproducible samples. The
+One request per sample. Seeded (rollout.sglang_deterministic), each has its own `sampling_seed`: SGLang's `n=G`
+copies the parent's seed into every child (../shared/gpu/SGLANG.md), so G requests with G seeds are what gives G
+distinct, reproducible samples; SGLang honours the seed in its deterministic mode. Unseeded (its fast
+configuration, whose default sampler takes no per-request seed), SGLang draws each request from its own generator. The
 G requests of a prompt share its prompt tokens, which SGLang's radix cache prefills once when they arrive in
 the same batch after the first (it does not dedupe within the very first batch, per the smoke run).
 
@@ -18,13 +20,17 @@ from ..engine import SampleOutput
 from ..sampling import SamplingParams
 
 
-def sampling_params_for(params: SamplingParams, seed: int) -> dict:
-    """SGLang's sampling-params dict for one sample. SGLang's log-prob is log_softmax(logits / T) taken before
-    top-k/top-p, the native engine's after them: the two agree only with top_k = 0 and top_p = 1."""
-    # SGLang packs the seeds of a batch into an int64 tensor (sampling_batch_info.py): a larger seed (the job seed
-    # times the step's and the sample's multipliers can get there) fails in its scheduler; folded, it stays distinct
-    sp = {"max_new_tokens": params.max_new_tokens, "sampling_seed": int(seed) % 2**63,
-          "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False}
+def sampling_params_for(params: SamplingParams, seed: int | None) -> dict:
+    """SGLang's sampling-params dict for one sample (seed None: no `sampling_seed`). SGLang's log-prob is
+    log_softmax(logits / T) taken before top-k/top-p, the native engine's after them: the two agree only with
+    top_k = 0 and top_p = 1."""
+    sp = {"max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
+          "skip_special_tokens": False}
+    if seed is not None:
+        # SGLang packs the seeds of a batch into an int64 tensor (sampling_batch_info.py): a larger seed (the job
+        # seed times the step's and the sample's multipliers can get there) fails in its scheduler; folded, it
+        # stays distinct
+        sp["sampling_seed"] = int(seed) % 2**63
     if params.greedy:
         sp["temperature"] = 0.0
     else:
@@ -42,13 +48,15 @@ def image_item(prompt) -> dict | None:
             "image_grid_thw": prompt.image_grid_thw}
 
 
-def build_requests(prompts: Sequence, params: SamplingParams, seeds: Sequence[Sequence[int]]) -> list[dict]:
+def build_requests(prompts: Sequence, params: SamplingParams, seeds: Sequence[Sequence[int]],
+                   seeded: bool = True) -> list[dict]:
     """Keyword arguments of one single-request `Engine.async_generate` call per sample: prompt-major, sample-minor
-    (request g * n + j). One call per request, not one batched call: SGLang 0.5.17's batch path
+    (request g * n + j); `seeded`: each with its seed as `sampling_seed`. One call per request, not one batched call:
+    SGLang's batch path
     (`TokenizerManager._handle_batch_request`) sends request i, awaits the processing of request i + 1, and starts
     waiting for any answer only after the last is sent; a request that finishes in between (a stop token drawn
-    first) has had its state removed by then and the whole batch fails with a KeyError of its rid (seen on the
-    H200 with 1,050-token image prompts). A single request starts waiting as soon as it is sent."""
+    first) has had its state removed by then and the whole batch fails with a KeyError of its rid (docs/sglang.md). A
+    single request starts waiting as soon as it is sent."""
     if len(seeds) != len(prompts) or any(len(s) != params.n for s in seeds):
         raise ValueError(f"sample_seeds must hold {params.n} seeds for each of the {len(prompts)} prompts")
     requests = []
@@ -56,7 +64,8 @@ def build_requests(prompts: Sequence, params: SamplingParams, seeds: Sequence[Se
         ids = prompt.input_ids.tolist() if hasattr(prompt.input_ids, "tolist") else list(prompt.input_ids)
         item = image_item(prompt)
         for seed in prompt_seeds:
-            request = {"input_ids": ids, "sampling_params": sampling_params_for(params, seed), "return_logprob": True}
+            request = {"input_ids": ids, "sampling_params": sampling_params_for(params, seed if seeded else None),
+                       "return_logprob": True}
             if item is not None:
                 request["image_data"] = [item]  # a single request's images: a list of items
             requests.append(request)
