@@ -7,12 +7,14 @@
 #   run(carry=[".whl1"], needs_h200=true, command="bash benchmarks/scale_gpu.sh serial-32")   # serial alone
 #   run(carry=[".whl1"], needs_h200=true, command="bash benchmarks/scale_gpu.sh serial-64")
 #   run(carry=[".whl1"], needs_h200=true, command="bash benchmarks/scale_gpu.sh vid-16")  # decomposed, overlapped
-# Issue 49 (topic microbatch): the 3B recipe on 4 img prompts x G = 8 with exactly 256 response tokens, micro-batches
-# at the token budgets the planner picks, on the card's memory and at one shared cap (CAP_GIB, 40 by default):
-#   run(carry=[".whl1"], command="bash benchmarks/scale_gpu.sh microbatch")          # decomposed, overlapped
-#   run(carry=[".whl1"], command="bash benchmarks/scale_gpu.sh microbatch-serial")
-#   run(carry=[".whl1"], command="bash benchmarks/scale_gpu.sh microbatch-cap")      # decomposed, overlapped
-#   run(carry=[".whl1"], command="bash benchmarks/scale_gpu.sh microbatch-cap-serial")
+# Issue 49 (topic microbatch), on one H100 or H200: the 3B recipe on 4 img prompts x G = 8 with exactly 256 response
+# tokens, serial, decomposed and overlapped, each with the micro-batch token budgets the planner picks from the
+# memory budget: the card's memory (microbatch), then one peak-memory cap shared by the three (microbatch-cap:
+# memory.budget_gib = CAP_GIB, 48 by default). A call that would pass its limit splits with MODES (the rows of
+# microbatch-serial then come in a file of their own):
+#   run(carry=[".whl1"], command="bash benchmarks/scale_gpu.sh microbatch")
+#   run(carry=[".whl1"], command="bash benchmarks/scale_gpu.sh microbatch-cap")
+#   run(carry=[".whl1"], command="MODES=serial bash benchmarks/scale_gpu.sh microbatch")   # a split, if needed
 # (.whl1: TensorBoard, which the recipe logs to and the GPU image lacks: benchmarks/recipes_gpu.sh wheels.)
 # Results land in $OUT (<topic>-<date>-<target>.json, a chart, the log); commit the JSON under benchmarks/results/.
 # MODES=... overrides a target's modes; SET="key=value ..." adds config overrides; DRY=1 prints the command.
@@ -39,9 +41,11 @@ scale() {  # name workload prompts modes [more scale_bench arguments]; TOPIC=...
     --out "$OUT/$topic-$stamp-$name.json" --plot "$OUT/$topic-$stamp-$name.png" "${sets[@]}" "$@" 2>&1 \
     | tee "$OUT/$topic-$stamp-$name.log"
 }
-microbatch() {  # name modes budget_gib: issue 49's shape on the 3B recipe, the KV pool sized from the budget
-  TOPIC=microbatch scale "$1" img-256 4 "$2" --config train_configs/qwen2_5_vl_3b.toml --budgets "$3" \
-    --set rollout.kv_pool_gib=0
+microbatch() {  # name budget_gib: issue 49's shape on the 3B recipe, the KV pool sized from the budget
+  local name=$1
+  [ -n "${MODES:-}" ] && name="$name-${MODES//,/-}"
+  TOPIC=microbatch scale "$name" img-256 4 serial,decomposed,overlapped --config train_configs/qwen2_5_vl_3b.toml \
+    --budgets "$2" --set rollout.kv_pool_gib=0
 }
 case "${1:-}" in
   img-8) scale img-8 img 8 decomposed,overlapped,serial ;;
@@ -51,11 +55,9 @@ case "${1:-}" in
   serial-64) scale img-64-serial img 64 serial --repeats 1 ;;
   vid-16) scale vid-16 vid 16 decomposed,overlapped ;;
   serial-vid-16) scale vid-16-serial vid 16 serial --repeats 1 ;;
-  microbatch) microbatch 3b-img256 decomposed,overlapped 0 ;;
-  microbatch-serial) microbatch 3b-img256-serial serial 0 ;;
-  microbatch-cap) microbatch "3b-img256-cap${CAP_GIB:-40}" decomposed,overlapped "${CAP_GIB:-40}" ;;
-  microbatch-cap-serial) microbatch "3b-img256-cap${CAP_GIB:-40}-serial" serial "${CAP_GIB:-40}" ;;
+  microbatch) microbatch 3b-img256 0 ;;
+  microbatch-cap) microbatch "3b-img256-cap${CAP_GIB:-48}" "${CAP_GIB:-48}" ;;
   *)
     echo "usage: $0 img-8 | img-32 | img-64 | serial-32 | serial-64 | vid-16 | serial-vid-16 | microbatch" \
-      "| microbatch-serial | microbatch-cap | microbatch-cap-serial" >&2; exit 2 ;;
+      "| microbatch-cap" >&2; exit 2 ;;
 esac

@@ -18,7 +18,8 @@ from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel
 from torchplex.rollout.kv_pool import GroupKVPool
 from torchplex.rollout.protocol import RolloutCapabilities
 from torchplex.runtime.build import footprint
-from torchplex.runtime.memory_budget import MICRO_BATCH_SHARE, UNPLANNED, BatchTooLargeError
+from torchplex.runtime.memory_budget import (MICRO_BATCH_SHARE, MICRO_BATCH_TOKENS_WIDE, UNPLANNED, BatchTooLargeError,
+                                             no_recompute_bytes, recompute_train_bytes)
 from torchplex.runtime.memory_estimate import MemoryEstimator, StepFootprint
 from torchplex.runtime.plan import PlanOptions, StepShape, plan_step
 from torchplex.runtime.settings import StepSettings
@@ -265,6 +266,45 @@ def test_the_planner_sizes_micro_batches_by_tokens_from_the_card(mode):
     assert tokens[H200] > tokens[H100]
 
 
+# The planner's training micro-batch on issue 49's shape, in samples (its tokens over a sample's: 1,050 + 256 in
+# serial, 256 in the prefix modes), per (mode, card): the least and the most it may be
+PLANNED_SAMPLES = {
+    ("serial", H100): (2, 7),  # what ran of serial at 3B on an 80 GB card: 2 samples; 8 ran out of memory
+    ("serial", H200): (5, 12),
+    ("decomposed", H100): (8, 31),  # a whole group at least, not the whole step
+    ("decomposed", H200): (32, 32),  # the whole step: 4 groups of 8
+    ("overlapped", H100): (8, 31),
+    ("overlapped", H200): (32, 32),
+}
+
+
+@pytest.mark.parametrize("mode,card", sorted(PLANNED_SAMPLES))
+def test_the_planned_micro_batch_per_mode_and_card_as_data(mode, card):
+    memory, settings = recipe_estimator("3B", 8.0, card, mode=mode)
+    tokens = memory.estimate(issue_shape(memory), settings.plan).micro_batch_tokens
+    least, most = PLANNED_SAMPLES[(mode, card)]
+    assert least <= tokens // (256 + (1050 if mode == "serial" else 0)) <= most, tokens
+
+
+def test_where_whole_graphs_fit_only_narrow_micro_batches_the_budget_is_sized_by_the_recompute_form():
+    """At a 56 GiB cap the 3B recipe's decomposed whole graphs fit ~5 samples: the planner takes a group (what
+    MICRO_BATCH_TOKENS_WIDE allows) at its recompute form, which fits the same room; with memory.recompute "always"
+    the same; on a 141 GB card, where whole graphs fit wide micro-batches, whole graphs size it."""
+    memory, settings = recipe_estimator("3B", 8.0, 56 * GiB)
+    shape = issue_shape(memory)
+    budget = memory.estimate(shape, settings.plan)
+    room = MICRO_BATCH_SHARE * (budget.usable_bytes - budget.stage_bytes("train")
+                                + budget.residents["train"]["activations"])
+    assert budget.micro_batch_tokens == MICRO_BATCH_TOKENS_WIDE == 8 * 256
+    assert memory.train_micro_batch_bytes(shape, MICRO_BATCH_TOKENS_WIDE, whole=False) <= room
+    assert memory.train_micro_batch_bytes(shape, MICRO_BATCH_TOKENS_WIDE, whole=True) > room
+    assert "recomputing its blocks: whole graphs fit" in budget.micro_batch_reason
+    memory.fp = dataclasses.replace(memory.fp, recompute="always")
+    assert memory.estimate(shape, settings.plan).micro_batch_tokens >= MICRO_BATCH_TOKENS_WIDE
+    memory, settings = recipe_estimator("3B", 8.0, H200)
+    assert "recomputing" not in memory.estimate(issue_shape(memory), settings.plan).micro_batch_reason
+
+
 def test_on_the_same_card_the_prefix_modes_hold_more_samples_per_micro_batch_than_serial():
     """A serial sample costs its prompt's 1,050 tokens too; a decomposed one its 256 response tokens: the budgets the
     planner picks on an 80 GB card hold several times more decomposed samples (the issue's 2-sample micro-batch was
@@ -282,3 +322,37 @@ def test_a_configured_token_budget_and_a_bound_on_sequences_are_what_the_plan_us
     budget = memory.estimate(issue_shape(memory), settings.plan)
     assert budget.micro_batch_tokens == 1000 and "training 1,000 tokens (configured)" in budget.micro_batch_reason
     assert budget.ref_micro_batch_tokens == 2 * 256  # two full-length samples: the bound on sequences
+
+
+def test_the_memory_plan_counts_a_micro_batch_by_its_tokens():
+    """A training micro-batch of T tokens: in serial T prompt and response rows (the train stage's activations are
+    their recompute form: the recipe checkpoints); in the prefix modes T response tokens, and the prompt prefixes it
+    computes: one per group it touches, none where the step holds them (batched in training). The ref stage's
+    activations are its micro-batch's, which grow with its tokens."""
+    memory, settings = recipe_estimator("3B", 8.0, H100, mode="serial")
+    shape, fp = issue_shape(memory), memory.fp
+    for tokens in (2 * 1306, 4 * 1306):
+        memory.fp = dataclasses.replace(fp, micro_batch_tokens=tokens)
+        budget = memory.estimate(shape, settings.plan)
+        responses = tokens * 256 // 1306
+        assert budget.residents["train"]["activations"] == recompute_train_bytes(
+            memory.compact_rate(), max(fp.block_graph_bytes()), tokens, responses, fp.vocab_size)
+
+    memory, settings = recipe_estimator("3B", 8.0, H100)
+    shape = issue_shape(memory)
+    samples = (1, 8, 9, 16)
+    held = {n: memory.train_micro_batch_bytes(shape, n * 256, whole=True) for n in samples}
+    memory.fp = dataclasses.replace(memory.fp, batched_actor_prefix=False)
+    computed = {n: memory.train_micro_batch_bytes(shape, n * 256, whole=True) for n in samples}
+    prefix = lambda groups: no_recompute_bytes(memory.graph_rate(), groups * 1050, 0, 0, 0)
+    assert abs(computed[8] - held[8] - prefix(1)) <= 1  # one group: its prompt's prefix (rounding apart)
+    assert abs(computed[9] - held[9] - prefix(2)) <= 1  # a ninth sample touches the next group
+    assert held[16] - held[8] > held[8] - held[1] > 0  # responses and their keys grow with the tokens
+
+    refs = []
+    for tokens in (2048, 4096):
+        memory.fp = dataclasses.replace(memory.fp, ref_micro_batch_tokens=tokens)
+        budget = memory.estimate(shape, settings.plan)
+        refs.append(budget.residents["ref"]["activations"])
+        assert budget.ref_micro_batch_tokens == tokens
+    assert refs[1] > refs[0] > 0

@@ -1,7 +1,8 @@
 """Micro-batches sized by tokens (algorithm.micro_batch_tokens, issue 49): every mode's step at any token budget equals
 the serial step taken as one whole batch (fp32, 1e-5: losses, reference and old-policy log-probs, every updated
-weight), with budgets that cut a group into pieces, hold one group, and pack several groups; a partition that drops or
-repeats a sample is seen by the same comparison; and the config keys."""
+weight), with budgets that cut a group into pieces, hold one group, and pack several groups (overlapped also with the
+reference scored in the decode window), and a serial budget of several samples; a partition that drops or repeats a
+sample is seen by the same comparison; and the config keys."""
 
 from __future__ import annotations
 
@@ -24,11 +25,17 @@ def setup(grpo_assets):
     return grpo_assets.processor, grpo_assets.prompts, grpo_assets.actor, grpo_assets.reference
 
 
+# "window": overlapped with the reference scored in the decode window as samples finish (what it left, the ref stage
+# scores in micro-batches of the budget)
+WINDOW = {"ref_prefix_in_window": True, "ref_suffix_in_window": True}
+
+
 def step(setup, mode: str, tokens: int, ppo_epochs: int = 1):
     """One step at `tokens` per training and reference micro-batch; (output, the actor, each training forward's
     (prompts, samples), each reference forward's likewise)."""
-    runner = cpu_runner(setup, mode, budget=2**40, micro_batch=0, kv_pool=2 * 2**20, micro_batch_tokens=tokens,
-                        ref_micro_batch_tokens=tokens, ppo_epochs=ppo_epochs)
+    runner = cpu_runner(setup, "overlapped" if mode == "window" else mode, budget=2**40, micro_batch=0,
+                        kv_pool=2 * 2**20, micro_batch_tokens=tokens, ref_micro_batch_tokens=tokens,
+                        ppo_epochs=ppo_epochs, plan_options=WINDOW if mode == "window" else None)
     calls = {id(runner.actor): [], id(runner.reference): []}
     score = runner.scorer.score
 
@@ -63,13 +70,16 @@ def assert_same_step(out, actor, ref_out, ref_actor) -> None:
         assert rel(a, b) < RTOL, name
 
 
-@pytest.mark.parametrize("mode", ["serial", "decomposed", "overlapped"])
+@pytest.mark.parametrize("mode", ["serial", "decomposed", "overlapped", "window"])
 @pytest.mark.parametrize("budget", sorted(BUDGETS))
 def test_every_mode_at_any_token_budget_equals_the_whole_batch_serial_step(setup, whole_batch, mode, budget):
     out, actor, train_calls, ref_calls = step(setup, mode, BUDGETS[budget])
     assert_same_step(out, actor, *whole_batch[:2])
     groups = len(setup[1])
-    assert sum(n for _, n in train_calls) == sum(n for _, n in ref_calls) == groups * 4  # each sample scored once
+    assert sum(n for _, n in train_calls) == groups * 4  # each sample trained once
+    in_window = len(out.window_jobs.scored)  # the reference log-probs the decode window took
+    assert (in_window > 0) == (mode == "window")
+    assert sum(n for _, n in ref_calls) == groups * 4 - in_window  # the rest scored once, in the ref stage
     assert out.plan.budget.micro_batch_tokens == out.plan.budget.ref_micro_batch_tokens == BUDGETS[budget]
     if mode == "serial":  # a sample costs its prompt too: every budget here holds one sample
         assert len(train_calls) == groups * 4
@@ -77,6 +87,22 @@ def test_every_mode_at_any_token_budget_equals_the_whole_batch_serial_step(setup
         assert len(train_calls) > groups and all(p == 1 for p, _ in train_calls)
     elif budget == "groups":  # several groups packed into one forward
         assert len(train_calls) < groups and max(p for p, _ in train_calls) > 1
+
+
+@pytest.mark.parametrize("mode", ["serial", "decomposed"])
+def test_a_budget_of_three_serial_samples_packs_across_groups_and_equals_the_whole_batch(setup, whole_batch, mode):
+    """Three of the longest serial samples (prompt and response): serial's micro-batches hold three or more
+    (shorter) samples, across its groups of four; the prefix modes' samples cost their responses alone, so the whole
+    step is one forward."""
+    tokens = 3 * (max(len(p.input_ids) for p in setup[1]) + 6)
+    out, actor, train_calls, ref_calls = step(setup, mode, tokens)
+    assert_same_step(out, actor, *whole_batch[:2])
+    sizes = [n for _, n in train_calls]
+    if mode == "serial":
+        assert max(sizes) >= 3 and 1 < len(sizes) < 12 and [n for _, n in ref_calls] == sizes
+        assert any(p > 1 for p, _ in train_calls)  # a micro-batch with samples of two prompts
+    else:
+        assert train_calls == ref_calls == [(len(setup[1]), 4 * len(setup[1]))]
 
 
 def test_two_epochs_with_groups_cut_and_packed_equal_the_whole_batch(setup):

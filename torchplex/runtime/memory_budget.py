@@ -61,6 +61,10 @@ FIT_KEYS = ("data.prompts_per_step", "rollout.n_samples", "rollout.max_new_token
 # already fills the matrix units, so a wider one costs memory (better left to held prefixes and whole graphs) and
 # gains nothing
 MICRO_BATCH_TOKENS_CAP = 16384
+# A derived training budget whose whole graph fits fewer tokens than this is sized by its recompute form instead, up
+# to this many (checkpointed blocks): a forward narrower than this leaves the matrix units idle longer than
+# recomputing its blocks costs
+MICRO_BATCH_TOKENS_WIDE = 2048
 # The share of what a stage's other residents leave that a derived micro-batch budget may take in the prefix modes:
 # the rest is the room for the prefixes they hold (serial holds none and takes all of it)
 MICRO_BATCH_SHARE = 0.5

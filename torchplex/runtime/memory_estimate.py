@@ -25,11 +25,11 @@ import torch
 
 from ..models.packing import suffix_key_heads
 from .memory_budget import (FIRST_TRAIN_UNPLANNED, FIRST_WHOLE_GRAPH_SCALE, HEADROOM, MICRO_BATCH_SHARE,
-                            MICRO_BATCH_TOKENS_CAP, PREFIX_GRADS, UNPLANNED, MemoryBudget, agree_on_recompute,
-                            batch_token_bound, device_capacity, held_cap_for_whole_graphs, held_gradient_bytes,
-                            kv_pool_bytes, largest_fitting, logits_bytes, needs_recompute, no_recompute_bytes,
-                            packed_key_bytes, prefix_backward_rate, recompute_train_bytes, step_residents,
-                            whole_graph_scale)
+                            MICRO_BATCH_TOKENS_CAP, MICRO_BATCH_TOKENS_WIDE, PREFIX_GRADS, UNPLANNED, MemoryBudget,
+                            agree_on_recompute, batch_token_bound, device_capacity, held_cap_for_whole_graphs,
+                            held_gradient_bytes, kv_pool_bytes, largest_fitting, logits_bytes, needs_recompute,
+                            no_recompute_bytes, packed_key_bytes, prefix_backward_rate, recompute_train_bytes,
+                            step_residents, whole_graph_scale)
 from .plan import PlanOptions, StepShape, holds_every_ref_prefix
 from .prefixes import HELD_BATCH_TOKENS
 
@@ -226,13 +226,9 @@ class MemoryEstimator:
         """Training's and the reference's tokens per micro-batch (the configured ones, else the largest whose bytes fit
         their stage: `micro_batch_tokens`), into `budget` with what each takes in its stage's activations. Training
         counts its micro-batch at its recompute form when checkpointed (held prefixes always fit; the learned bytes
-        once measured), and sizes it so that its whole graph fits, unless memory.recompute is "always"."""
+        once measured), and sizes it with `_train_tokens`."""
         fp, residents = self.fp, budget.residents
-        whole = not (fp.checkpointed and fp.recompute == "always")
-        scale = self.graph_scale() if whole else 1.0
-        train_bytes = lambda t: math.ceil(scale * self.train_micro_batch_bytes(shape, t, whole))
-        budget.micro_batch_tokens, why = self._tokens_for(
-            shape, budget, "train", fp.micro_batch_tokens, fp.micro_batch_size, train_bytes, one_group=False)
+        budget.micro_batch_tokens, why = self._train_tokens(shape, budget)
         tokens = budget.micro_batch_tokens
         counted = (self.learned.train_activation_bytes if self.learned.train_activation_bytes is not None
                    else self.train_micro_batch_bytes(shape, tokens, whole=not fp.checkpointed))
@@ -247,18 +243,38 @@ class MemoryEstimator:
             reasons.append(f"reference {budget.ref_micro_batch_tokens:,} tokens ({why})")
         budget.micro_batch_reason = "; ".join(reasons)
 
+    def _train_tokens(self, shape: StepShape, budget: MemoryBudget) -> tuple[int, str]:
+        """(training's tokens per micro-batch, why): the largest whose whole graph fits (its recompute form with
+        memory.recompute "always"). Where blocks are checkpointed and whole graphs fit fewer than
+        MICRO_BATCH_TOKENS_WIDE, the largest up to that whose recompute form fits: a narrower forward loses more to
+        idle matrix units than recomputing its blocks costs (the recompute policy still keeps a whole graph where the
+        memory free at its forward holds it)."""
+        fp = self.fp
+        whole = not (fp.checkpointed and fp.recompute == "always")
+        bytes_at = lambda kept: lambda t: math.ceil(
+            (self.graph_scale() if kept else 1.0) * self.train_micro_batch_bytes(shape, t, kept))
+        tokens, why = self._tokens_for(shape, budget, "train", fp.micro_batch_tokens, fp.micro_batch_size,
+                                       bytes_at(whole), one_group=False)
+        if whole and fp.checkpointed and not fp.micro_batch_tokens and tokens < MICRO_BATCH_TOKENS_WIDE:
+            wider, how = self._tokens_for(shape, budget, "train", 0, fp.micro_batch_size, bytes_at(False),
+                                          one_group=False, widest=MICRO_BATCH_TOKENS_WIDE)
+            if wider > tokens:
+                return wider, f"{how}, recomputing its blocks: whole graphs fit {tokens:,}"
+        return tokens, why
+
     def _tokens_for(self, shape: StepShape, budget: MemoryBudget, stage: str, configured: int, sequences: int,
-                    bytes_at, one_group: bool) -> tuple[int, str]:
+                    bytes_at, one_group: bool, widest: int = MICRO_BATCH_TOKENS_CAP) -> tuple[int, str]:
         """(tokens per micro-batch of `stage`, why): `configured`, else the largest in [one sequence (one group with
         `one_group` in the prefix modes: its prefix then serves it whole), the cap] whose `bytes_at` fits the stage's
         share of what its other residents leave (MICRO_BATCH_SHARE in the prefix modes, all of it in serial: no held
-        prefixes); the cap is the least of MICRO_BATCH_TOKENS_CAP, the whole step and `sequences` of the longest."""
+        prefixes); the cap is the least of `widest` (MICRO_BATCH_TOKENS_CAP or _WIDE), the whole step and `sequences`
+        of the longest."""
         if configured:
             return configured, "configured"
         serial = self.fp.mode == "serial"
         longest = shape.max_new_tokens + (max(shape.prompt_lengths) if serial else 0)
         floor = longest * (min(shape.group_size, sequences or shape.group_size) if one_group and not serial else 1)
-        caps = {"MICRO_BATCH_TOKENS_CAP": MICRO_BATCH_TOKENS_CAP,
+        caps = {"MICRO_BATCH_TOKENS_CAP" if widest == MICRO_BATCH_TOKENS_CAP else "MICRO_BATCH_TOKENS_WIDE": widest,
                 "the whole step": shape.group_size * (len(shape.prompt_lengths) * shape.max_new_tokens
                                                       + (shape.prefix_tokens if serial else 0))}
         if sequences:

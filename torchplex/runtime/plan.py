@@ -2,9 +2,10 @@
 
 A plan lists the step's phases in execution order, each with the phases it depends on, where it runs
 (`placement`), and the memory it holds while it runs; how each prompt's actor prefix is held; the memory budget it
-was planned from, with the training and reference micro-batches' token budgets; and why (`reasons`). The step (runtime/step.py) runs its phases in one fixed order and reads every
-decision from the plan, so a plan can be printed, tested and drawn before anything runs; what the step measured is
-its report, never written back into the plan.
+was planned from, with the training and reference micro-batches' token budgets; and why (`reasons`). The step
+(runtime/step.py) runs its phases in one fixed order and reads every decision from the plan, so a plan can be
+printed, tested and drawn before anything runs; what the step measured is its report, never written back into the
+plan.
 
 Phase names and placements come from `phases.py` (the one vocabulary). Placements:
   main          on the main stream, after its dependencies
