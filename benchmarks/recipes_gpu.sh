@@ -92,7 +92,7 @@ case "${1:-}" in
     RECIPES_S=360 recipes 3b --recipe qwen2_5_vl_3b ;;
   3b)  # fits an 80 GB card as shipped (the 40 GiB KV pool included: tests/test_memory_estimate.py)
     install .whl1 tensorboard=tensorboard absl=absl_py google.protobuf=protobuf
-    RECIPES_S=560 recipes 3b --recipe qwen2_5_vl_3b ;;
+    RECIPES_S=${RECIPES_S:-560} recipes 3b --recipe qwen2_5_vl_3b ;;
   video)
     install .whl1 tensorboard=tensorboard absl=absl_py google.protobuf=protobuf av=av
     recipes video --recipe video_reasoning_7b ;;

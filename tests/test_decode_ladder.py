@@ -12,7 +12,7 @@ from torchplex.data.processing import encode_prompt, load_processor
 from torchplex.models.qwen2_5_vl.build import build_model
 from torchplex.rollout import decode_attention, decode_step
 from torchplex.rollout.decode_step import DecodePieces
-from torchplex.rollout.engine import RolloutEngine
+from torchplex.rollout.engine import PoolFloor, RolloutEngine
 from torchplex.rollout.ladder import pool_ladder, row_map, rows_for
 from torchplex.rollout.sampling import SamplingParams
 
@@ -209,6 +209,33 @@ def test_an_evaluation_decodes_on_the_training_pool(setup):
         assert engine.pool is pool and engine.pool.suffix_k[0] is storage
         assert max(rows) <= rows_for(3 * params.n, pool_ladder(pool.num_slots))
         assert_same_samples(got, RolloutEngine(model, kv_pool_bytes=POOL).generate(prompts[:3], params))
+
+
+@pytest.mark.parametrize("kv_pool_bytes", [POOL, 0])
+def test_an_evaluation_before_the_first_rollout_builds_the_training_pool(setup, kv_pool_bytes):
+    """With the training rollout as the engine's least pool (the trainer's), a greedy evaluation of 2 prompts x 8
+    tokens run first builds the pool of 4 prompts x 3 samples x 14 tokens, which training then reuses (one geometry:
+    one compilation of the decode attention); its samples are those of an engine without the floor. Without it the
+    training rollout needs a new pool."""
+    model, prompts, eos = setup
+    train = long_tailed(model, eos)
+    evaluation = SamplingParams(n=1, greedy=True, max_new_tokens=8, stop_token_ids=[eos])
+    floor = PoolFloor(n=train.n, max_new=train.max_new_tokens, prompts=len(prompts))
+    engine = RolloutEngine(model, kv_pool_bytes=kv_pool_bytes, least_pool=floor)
+    got = engine.generate(prompts[:2], evaluation)
+    pool = engine.pool
+    assert (pool.n, pool.max_new, pool.num_groups) == (train.n, train.max_new_tokens, len(prompts))
+    assert_same_samples(got, RolloutEngine(model, kv_pool_bytes=kv_pool_bytes).generate(prompts[:2], evaluation))
+    engine.release()  # as the runner does between a rollout and the next
+    assert_same_samples(engine.generate(prompts, train),
+                        RolloutEngine(model, kv_pool_bytes=kv_pool_bytes).generate(prompts, train))
+    assert engine.pool is pool
+
+    plain = RolloutEngine(model, kv_pool_bytes=kv_pool_bytes)
+    plain.generate(prompts[:2], evaluation)
+    first = plain.pool
+    plain.generate(prompts, train)
+    assert plain.pool is not first and (first.n, first.max_new) == (1, 8)
 
 
 def cache_entries() -> dict[str, int]:

@@ -29,6 +29,8 @@ from torchplex.data.records import read_records
 from torchplex.data.synthetic import generate_synthetic_task
 from torchplex.models.qwen2_5_vl.tiny_checkpoint import make_tiny_checkpoint
 from torchplex.rl import rewards
+from torchplex.rollout.engine import PoolFloor
+from torchplex.rollout.kv_pool import GroupKVPool
 from torchplex.runtime import training
 from torchplex.train import Trainer
 
@@ -166,6 +168,30 @@ def test_resume_after_preemption_reproduces_the_uninterrupted_run(tmp_path, tiny
         torch.testing.assert_close(final[name], reference[name], rtol=0, atol=0, msg=name)
     initial = params_of(first.reference)  # the frozen reference model holds the starting weights
     assert not all(torch.equal(final[name], initial[name]) for name in initial)
+
+
+@pytest.mark.parametrize("kv_pool_gib,groups", [(1.0, 4), (0, 2)])
+def test_an_evaluation_before_the_first_step_builds_the_pool_training_uses(tmp_path, tiny_ckpt, synthetic_dir,
+                                                                           uneven_reward, monkeypatch, kv_pool_gib,
+                                                                           groups):
+    """Evaluation at step 0 (4 greedy prompts), a step (2 prompts x 4 samples of 8 tokens), the evaluation after it:
+    one pool geometry, so the decode attention compiles once. A 1 GiB pool holds all 4 evaluation prompts; one the
+    plan sizes (kv_pool_gib 0) is unknown before the first step, so the evaluation builds training's 2 groups (its
+    other prompts wait for a freed group) and the plan keeps it. Without the trainer's floor the first evaluation
+    builds a pool of one sample per group that training replaces."""
+    built = []
+    init = GroupKVPool.__init__
+
+    def record(pool, **kwargs):
+        init(pool, **kwargs)
+        built.append((pool.num_groups, pool.n, pool.max_new))
+
+    monkeypatch.setattr(GroupKVPool, "__init__", record)
+    trainer = Trainer(load_config(fast_args(tiny_ckpt, synthetic_dir, tmp_path, "eval-first", "--training.steps=1",
+                                            "--metrics.eval_interval=1", f"--rollout.kv_pool_gib={kv_pool_gib}")))
+    assert trainer.engine.least_pool == PoolFloor(n=4, max_new=8, prompts=2)
+    trainer.train()
+    assert sorted(read_metrics(tmp_path / "eval-first")) == [0, 1] and built == [(groups, 4, 8)]
 
 
 # ---- 2. data parallel ------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from .models.qwen2_5_vl.tiny_checkpoint import make_tiny_checkpoint
 from .models.qwen2_5_vl.weights import copy_non_weight_files, save_hf_weights
 from .evaluation import Evaluator
 from .rl.reward_functions import RewardFailureError, RewardLedger, reward_answers
+from .rollout.engine import PoolFloor
 from .rollout.sampling import SamplingParams, sample_seeds
 from .rollout.sglang_backend.engine import build_sglang_engine, check_sglang_available
 from .runtime.build import build_step_runtime
@@ -188,9 +189,13 @@ class Trainer:
                                               timeout_s=r.sglang_timeout_s, bucket_mib=r.sglang_bucket_mib,
                                               deterministic=r.sglang_deterministic, seed=cfg.job.seed)
         else:  # rollout_tp != tp: rollout runs on a model sharing the actor's storage (runtime/rollout_weights.py)
+            # every pool at least the training rollout's (this rank's prompts): an evaluation before the first step
+            # builds the pool training reuses, so the decode attention compiles for one geometry
+            floor = PoolFloor(n=r.n_samples, max_new=r.max_new_tokens,
+                              prompts=-(-cfg.data.prompts_per_step // self.dp.size))
             self.engine = build_rollout_engine(self.actor, self.dims, cfg.parallelism.rollout_tp,
                                                kv_pool_bytes=int(r.kv_pool_gib * 2**30), max_batch=r.max_batch,
-                                               pad_id=self.pad_id, device=self.device)
+                                               pad_id=self.pad_id, device=self.device, least_pool=floor)
         if self.reference is not None and cfg.model.freeze_vision:
             self.reference.visual = self.actor.visual  # the same frozen weights: keep one copy, encode once
 

@@ -42,6 +42,14 @@ log = logging.getLogger(__name__)
 PROMPT_BUCKET = 256  # the pool's prompt capacity grows in steps of this many tokens
 
 
+@dataclass(frozen=True)
+class PoolFloor:
+    """The least pool geometry: samples per prompt, new tokens per sample, prompt groups."""
+    n: int
+    max_new: int
+    prompts: int
+
+
 @dataclass
 class RolloutStats:
     prefill_s: float = 0.0
@@ -70,8 +78,13 @@ class RolloutEngine:
                  compile_decode: bool | None = None, prefill_tokens: int = 16384, check_interval: int | None = None,
                  pad_id: int = 0, decode_kernel: str | None = None, flex_options: dict | None = None,
                  decode_priority: bool = False, fused_qkv: bool | None = None, compile_options: dict | None = None,
-                 ladder: Sequence[int] = DEFAULT_LADDER, whole_layer_graphs: bool = False):
+                 ladder: Sequence[int] = DEFAULT_LADDER, whole_layer_graphs: bool = False,
+                 least_pool: PoolFloor | None = None):
         self.model = model
+        # least_pool: the geometry every pool has at least (the training rollout's), so that a rollout of fewer
+        # samples, prompts or tokens before the first training one (an evaluation) builds the pool training reuses:
+        # one geometry, one compilation of the decode attention instead of two
+        self.least_pool = least_pool
         self.kv_pool_bytes = int(kv_pool_bytes)
         self.max_batch = max_batch
         self.kv_dtype = kv_dtype
@@ -153,6 +166,12 @@ class RolloutEngine:
         """The pool for a rollout of `num_prompts` prompts x n samples: the current one where it fits, else a new one
         of this geometry (each new geometry compiles the decode attention once more)."""
         max_prompt = -(-max_prompt // PROMPT_BUCKET) * PROMPT_BUCKET  # few pool shapes: few compilations
+        if self.least_pool is not None:
+            floor = self.least_pool
+            n, max_new = max(n, floor.n), max(max_new, floor.max_new)
+            # with a byte budget the pool holds what it allows; without one yet (the runner sizes it at the first
+            # step) exactly the training rollout's groups, the most that step's plan gives it (more prompts wait)
+            num_prompts = max(num_prompts, floor.prompts) if self.kv_pool_bytes else floor.prompts
         pool = self.pool
         if pool is None or not self._pool_fits(pool, n, max_prompt, max_new, num_prompts):
             self.pool = None  # drop the old tensors before sizing the new ones

@@ -40,7 +40,7 @@ from ..components import peak_memory
 from .memory_copy import (CopyEngine, CudaStreamCopyEngine, HostArena, NoCopyEngine, StorageMove,
                           ThreadCopyEngine, Ticket, default_copy_engine)
 from .memory_plan import (GiB, KINDS, MemoryPlan, PhasePlan, PlannedGroup, TensorGroup, grads_group, kv_pool_group,
-                          module_group, optimizer_state_group, plain_tensors, tensor_bytes)
+                          module_group, optimizer_state_group, storage_tensors, tensor_bytes)
 
 __all__ = ["ARENA_SLACK_BYTES", "CopyEngine", "CudaStreamCopyEngine", "GiB", "KINDS", "MemoryManager", "MemoryPlan",
            "NoCopyEngine", "PhasePlan", "PhaseRecord", "PlannedGroup", "TensorGroup", "ThreadCopyEngine",
@@ -175,7 +175,7 @@ class MemoryManager:
         """The group's device storages (each once), each with its host buffer (taken from the group's arena the
         first time)."""
         moves, seen = [], set()
-        for t in plain_tensors(self.groups[name].tensors()):
+        for t in storage_tensors(self.groups[name].tensors()):
             if t.device != self.device:
                 continue  # already on the host (e.g. a CPU step counter)
             storage = t.untyped_storage()
@@ -219,7 +219,7 @@ class MemoryManager:
         for name, g in self.groups.items():
             if g.kind != "offload":
                 continue
-            for t in plain_tensors(g.tensors()):
+            for t in storage_tensors(g.tensors()):
                 ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else 0
                 if ptr and owner.setdefault(ptr, name) != name:
                     raise ValueError(f"groups {owner[ptr]!r} and {name!r} share a storage; give it to one of "

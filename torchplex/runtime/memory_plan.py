@@ -24,12 +24,12 @@ KINDS = ("offload", "release", "transient", "host")
 
 
 # ---- groups -------------------------------------------------------------------------------------------------------
-def plain_tensors(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
+def storage_tensors(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
     """The dense tensors that own memory: DTensor shards and torchao's 8-bit optimizer states are unpacked."""
     for t in tensors:
         if is_traceable_wrapper_subclass(t):
             names, _ = t.__tensor_flatten__()
-            yield from plain_tensors(getattr(t, n) for n in names)
+            yield from storage_tensors(getattr(t, n) for n in names)
         else:
             yield t
 
@@ -37,7 +37,7 @@ def plain_tensors(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
 def tensor_bytes(tensors: Iterable[Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors` (meta tensors: their own numel x element size)."""
     seen, total = set(), 0
-    for t in plain_tensors(tensors):
+    for t in storage_tensors(tensors):
         ptr = 0 if t.device.type == "meta" else t.untyped_storage().data_ptr()
         if ptr and ptr in seen:
             continue

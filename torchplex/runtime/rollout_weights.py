@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..distributed.mesh import ParallelDims
 from ..distributed.weight_sharing import WeightSharer
-from ..rollout.engine import RolloutEngine, SampleOutput
+from ..rollout.engine import PoolFloor, RolloutEngine, SampleOutput
 from ..rollout.protocol import RolloutCapabilities, reject_unsupported_hooks
 from ..rollout.sampling import SamplingParams, sample_seeds as default_seeds  # generate() has a sample_seeds
 
@@ -161,7 +161,7 @@ class SharedRolloutEngine:
 
 
 def build_rollout_engine(actor, parallel_dims: ParallelDims | None, t_roll: int, *, kv_pool_bytes: int,
-                         max_batch: int, pad_id: int, device: torch.device):
+                         max_batch: int, pad_id: int, device: torch.device, least_pool: PoolFloor | None = None):
     """The trainer's engine: on the actor itself when rollout_tp equals tp, else a SharedRolloutEngine.
 
     Decode runs as captured CUDA graphs (one per ladder size) only when its weights keep fixed addresses and it
@@ -169,7 +169,7 @@ def build_rollout_engine(actor, parallel_dims: ParallelDims | None, t_roll: int,
     reallocates the gathered storage the shared weights point at on every regather)."""
     t_train = parallel_dims.tp if parallel_dims is not None else 1
     cuda = device.type == "cuda"
-    common = dict(kv_pool_bytes=kv_pool_bytes, max_batch=max_batch, pad_id=pad_id)
+    common = dict(kv_pool_bytes=kv_pool_bytes, max_batch=max_batch, pad_id=pad_id, least_pool=least_pool)
     if t_roll == t_train:
         return RolloutEngine(actor, compile_decode=cuda and parallel_dims is None, **common)
     fsdp = parallel_dims is not None and parallel_dims.fsdp_enabled
