@@ -310,7 +310,8 @@ def main(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=None, help="1024 on cuda, 128 on cpu by default")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=None, help="256 on cuda, 16 on cpu by default")
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=8,
+                    help="at most this many sequences per micro-batch (algorithm.micro_batch_size; 0: no bound)")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--freeze-vision", action="store_true")
     ap.add_argument("--kv-pool-gib", type=float, default=None, help="8 on cuda, 0.25 on cpu by default")

@@ -61,7 +61,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--response", type=int, default=128)
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=8,
+                    help="at most this many sequences per micro-batch (algorithm.micro_batch_size; 0: no bound)")
     ap.add_argument("--modes", nargs="+", default=["serial", "overlapped"])
     ap.add_argument("--rollout-tps", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--freeze-vision", action="store_true")

@@ -84,8 +84,9 @@ def ladder_record(record: dict) -> dict:
 def steps_row(records: list[dict], launched: float, warm_up_steps: int = 1, peak_tflops: float = 0.0) -> dict:
     """A results row's timing fields from a run's metrics records: the step time (median of the steps after the
     warm-up ones, which compile), each phase's likewise, the peak memory, samples and tokens per step, the decode
-    loop's ms per step, each compute phase's MFU (`flops/<phase>_tflop` over its time and `peak_tflops`), and
-    what a user waits before the first step (`startup_s`: launch to its start) and for it (`first_step_s`)."""
+    loop's ms per step, each compute phase's MFU (`flops/<phase>_tflop` over its time and `peak_tflops`), the
+    micro-batches' token budgets and count, and what a user waits before the first step (`startup_s`: launch to its
+    start) and for it (`first_step_s`)."""
     steps = [r for r in records if "time/step_s" in r]
     timed = steps[warm_up_steps:] or steps[-1:]
     median = lambda key: statistics.median(r.get(key, 0.0) for r in timed) if timed else 0.0
@@ -98,6 +99,10 @@ def steps_row(records: list[dict], launched: float, warm_up_steps: int = 1, peak
            "first_step_s": first.get("time/step_s", 0.0),
            "startup_s": first["wall_time"] - first["time/step_s"] - launched if first else 0.0,
            "logprob_mismatch": median("rollout/logprob_mismatch")}
+    if "micro_batch/tokens" in (timed[-1] if timed else {}):  # the planner's budgets and what they made
+        row["micro_batch"] = {"tokens": int(median("micro_batch/tokens")),
+                              "ref_tokens": int(median("micro_batch/ref_tokens")),
+                              "train_count": int(median("micro_batch/train_count"))}
     steps_n = median("rollout/decode_steps")
     if steps_n:
         row["decode"] = {"s": median("rollout/decode_s"), "steps": int(steps_n),

@@ -29,7 +29,7 @@ from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointi
 from torchplex.rl.advantages import compute_advantages
 from torchplex.rl.losses import PolicyLossConfig
 from torchplex.runtime.decomposition import DecomposedScorer
-from torchplex.runtime.experience import Experience
+from torchplex.runtime.experience import Experience, MicroBatchLimits
 from torchplex.runtime.training import train_phase
 
 # 7B's proportions scaled down: vocab/hidden 42 (LM head dominates the logits path), intermediate/hidden 5.3.
@@ -154,7 +154,7 @@ def measure(args: ModelArgs, *, prompts: int, group: int, prompt_tokens: int, re
     with live:
         base = live.live
         train_phase(actor, DecomposedScorer(split_prefix_backward=split_prefix_backward), exp, optimizer, None,
-                    PolicyLossConfig(kl_coef=0.01), temperature=1.0, micro_batch_size=micro_batch, whole_groups=True,
+                    PolicyLossConfig(kl_coef=0.01), temperature=1.0, limits=MicroBatchLimits(0, micro_batch, True),
                     ppo_epochs=1, grad_clip=1.0, max_len=response)
     peak = optimizer.peaks[-1] - base
     return {"peak_bytes": peak, "grads_bytes": grads, "activation_bytes": peak - grads,

@@ -60,7 +60,7 @@ def test_batched_reference_prefixes_score_the_same_in_one_forward_per_length_gro
 def test_a_reference_micro_batch_smaller_than_a_group_keeps_one_prefix_per_micro_batch(setup):
     out, calls = step(setup, "decomposed", True, ref_micro_batch_size=2)  # groups of 4 scored in halves
     assert not out.plan.ref_prefix_batched
-    assert any("not batched: reference micro-batches of 2 < a group's 4" in r for r in out.plan.reasons)
+    assert any("not batched: reference micro-batches of 2 sequences < a group's 4" in r for r in out.plan.reasons)
     assert calls == [1] * (2 * len(setup[1]))  # each half runs its prompt's prefix, as before
 
 

@@ -10,7 +10,8 @@ from torchplex.rl.losses import PolicyLossConfig
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.sampling import SamplingParams
 from torchplex.runtime.decomposition import DecomposedScorer
-from torchplex.runtime.experience import Experience, kl_to_reference, micro_batches, reference_phase
+from torchplex.runtime.experience import (Experience, MicroBatchLimits, kl_to_reference, micro_batches,
+                                         reference_phase)
 from torchplex.runtime.training import train_phase
 from torchplex.runtime.scoring import SerialScorer
 
@@ -52,14 +53,17 @@ def make_experience(prompts, model, group, eos, seed=0):
                       keep_groups=torch.ones(len(prompts), dtype=torch.bool))
 
 
-def run_step(model, reference, scorer, exp, micro_batch_size, ppo_epochs, whole_groups, cfg=None):
+def run_step(model, reference, scorer, exp, micro_batch_size, ppo_epochs, whole_groups, cfg=None, tokens=0):
+    """The reference and training phases at `micro_batch_size` sequences (0: no bound) and `tokens` per micro-batch
+    (0: no bound), whole groups where they fit (the prefix modes) or samples alone (serial)."""
     exp = copy.copy(exp)
     exp.ref_logprobs = exp.old_logprobs = None
-    reference_phase(reference, scorer, exp, 1.0, micro_batch_size, whole_groups)
+    limits = MicroBatchLimits(tokens, micro_batch_size, whole_groups)
+    reference_phase(reference, scorer, exp, 1.0, limits)
     optimizer = RecordingSGD(model)
     cfg = cfg or PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1, kl_estimator="k3")
-    result = train_phase(model, scorer, exp, optimizer, None, cfg, temperature=1.0, micro_batch_size=micro_batch_size,
-                         whole_groups=whole_groups, ppo_epochs=ppo_epochs, grad_clip=1e9, max_len=10)
+    result = train_phase(model, scorer, exp, optimizer, None, cfg, temperature=1.0, limits=limits,
+                         ppo_epochs=ppo_epochs, grad_clip=1e9, max_len=10)
     return exp, result, optimizer.records
 
 
@@ -169,27 +173,63 @@ def test_token_forwards_saving(assets):
     exp = make_experience(prompts, base, 8, eos)
     scorer = DecomposedScorer()
     with torch.no_grad():
-        reference_phase(reference, scorer, exp, 1.0, 64, True)
+        reference_phase(reference, scorer, exp, 1.0, MicroBatchLimits(0, 64, True))
     P = sum(len(p.input_ids) for p in prompts)
     R = int(exp.lengths.sum())
     assert scorer.counts.prefix_tokens == P and scorer.counts.response_tokens == R
     assert scorer.serial_equivalent_tokens == 8 * P + R
 
 
-def test_micro_batch_size_counts_sequences_in_every_mode():
-    """Issue 16 defect 5: micro_batch_size is sequences per micro-batch also with whole groups (main: max(1,
+def by_sequences(samples, group, size, whole):
+    """micro_batches at `size` sequences and no token bound."""
+    return micro_batches(samples, group, MicroBatchLimits(0, size, whole), [1] * (max(samples) + 1))
+
+
+def test_micro_batch_size_bounds_sequences_in_every_mode():
+    """Issue 16 defect 5: micro_batch_size bounds sequences per micro-batch also with whole groups (main: max(1,
     micro_batch_size // group) groups, so 4 with groups of 8 ran 8 sequences): at most micro_batch_size, exactly
     when it is a multiple of the group size; a group larger than it is cut into pieces of that size."""
     samples = list(range(16))
     for mbs in (1, 2, 3, 4, 5, 8, 12, 16):
         for whole in (False, True):
-            batches = micro_batches(samples, 8, mbs, whole)
+            batches = by_sequences(samples, 8, mbs, whole)
             assert [s for b in batches for s in b] == samples
             assert max(len(b) for b in batches) <= mbs
-    assert micro_batches(samples, 8, 4, True) == [samples[0:4], samples[4:8], samples[8:12], samples[12:16]]
-    assert micro_batches(samples, 8, 3, True) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9, 10], [11, 12, 13], [14, 15]]
-    assert micro_batches(samples, 4, 8, True) == [samples[0:8], samples[8:16]]
-    assert micro_batches(samples, 4, 6, True) == [samples[i:i + 4] for i in range(0, 16, 4)]  # groups stay whole
+    assert by_sequences(samples, 8, 4, True) == [samples[0:4], samples[4:8], samples[8:12], samples[12:16]]
+    assert by_sequences(samples, 8, 3, True) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9, 10], [11, 12, 13], [14, 15]]
+    assert by_sequences(samples, 4, 8, True) == [samples[0:8], samples[8:16]]
+    assert by_sequences(samples, 4, 6, True) == [samples[i:i + 4] for i in range(0, 16, 4)]  # groups stay whole
+
+
+def test_micro_batches_by_tokens_pack_groups_cut_the_long_ones_and_keep_every_sample_once():
+    """Issue 49: a token budget packs several groups into a micro-batch where they fit, cuts a group over it into
+    pieces (the last piece packed with the groups after it), and cuts serial's samples alone; a sample over the
+    budget runs alone."""
+    cut = lambda samples, costs, tokens, seqs=0, whole=True: micro_batches(samples, 4, MicroBatchLimits(
+        tokens, seqs, whole), costs)
+    two = [2] * 12  # groups of 8 tokens
+    assert cut(range(12), two, 16) == [list(range(8)), list(range(8, 12))]
+    assert cut(range(12), two, 10) == [list(range(4)), list(range(4, 8)), list(range(8, 12))]
+    assert cut(range(12), two, 16, seqs=6) == [list(range(4)), list(range(4, 8)), list(range(8, 12))]
+    assert cut(range(8), [3, 3, 3, 3, 1, 1, 1, 1], 9) == [[0, 1, 2], [3, 4, 5, 6, 7]]
+    assert cut(range(8), [3, 3, 3, 3, 1, 1, 1, 1], 9, whole=False) == [[0, 1, 2], [3, 4, 5, 6, 7]]
+    assert cut(range(4), [20, 1, 1, 1], 5) == [[0], [1, 2, 3]]  # longer than the budget: alone
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        costs = torch.randint(1, 12, (16,), generator=g).tolist()
+        samples = [s for s in range(16) if torch.rand(1, generator=g).item() > 0.2]
+        tokens, seqs = int(torch.randint(1, 40, (1,), generator=g)), [0, 3, 8][trial % 3]
+        for whole in (False, True):
+            batches = cut(samples, costs, tokens, seqs, whole)
+            assert [s for b in batches for s in b] == samples  # in order, none dropped or repeated
+            for b in batches:
+                assert len(b) == 1 or sum(costs[s] for s in b) <= tokens
+                assert not seqs or len(b) <= seqs
+            if whole:  # a group within the limits is never cut
+                for first in range(0, 16, 4):
+                    group = [s for s in samples if s // 4 == first // 4]
+                    if group and sum(costs[s] for s in group) <= tokens and (not seqs or len(group) <= seqs):
+                        assert sum(1 for b in batches if set(group) & set(b)) == 1
 
 
 @pytest.mark.parametrize("scorer_kind,micro_batch_size", [("serial", 3), ("decomposed", 4), ("decomposed", 2)])

@@ -7,6 +7,7 @@ learns."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -17,9 +18,10 @@ from torchplex.models.qwen2_5_vl.model import Qwen2_5_VLModel
 from torchplex.rollout.kv_pool import GroupKVPool
 from torchplex.rollout.protocol import RolloutCapabilities
 from torchplex.runtime.build import footprint
-from torchplex.runtime.memory_budget import UNPLANNED, BatchTooLargeError
+from torchplex.runtime.memory_budget import (MICRO_BATCH_SHARE, MICRO_BATCH_TOKENS_WIDE, UNPLANNED, BatchTooLargeError,
+                                             no_recompute_bytes, recompute_train_bytes)
 from torchplex.runtime.memory_estimate import MemoryEstimator, StepFootprint
-from torchplex.runtime.plan import PlanOptions, StepShape
+from torchplex.runtime.plan import PlanOptions, StepShape, plan_step
 from torchplex.runtime.settings import StepSettings
 
 GiB = 2**30
@@ -40,17 +42,17 @@ class PoolOnly:
                                        max_new, torch.bfloat16)
 
 
-def recipe_estimator(flavor: str, kv_pool_gib: float, capacity: int, *, dp_size: int = 1):
-    """The estimate of a shipped recipe's step (decomposed, activation checkpointing, the reference loaded), built
-    from meta-device models of the published geometry in bf16, on a card of `capacity` bytes."""
+def recipe_estimator(flavor: str, kv_pool_gib: float, capacity: int, *, dp_size: int = 1, mode: str = "decomposed"):
+    """The estimate of a shipped recipe's step (decomposed unless `mode`, activation checkpointing, the reference
+    loaded), built from meta-device models of the published geometry in bf16, on a card of `capacity` bytes."""
     args = get_flavor(flavor)
     with torch.device("meta"):
         actor, reference = Qwen2_5_VLModel(args).bfloat16(), Qwen2_5_VLModel(args).bfloat16()
     from torchplex.models.qwen2_5_vl.parallelize import apply_activation_checkpointing
     apply_activation_checkpointing(actor)
     engine = PoolOnly(args, kv_pool_gib)
-    settings = StepSettings(reward_names=["accuracy"], reward_weights=[1.0], micro_batch_size=8,
-                            plan=PlanOptions(mode="decomposed", memory_budget_bytes=capacity))
+    settings = StepSettings(reward_names=["accuracy"], reward_weights=[1.0],
+                            plan=PlanOptions(mode=mode, memory_budget_bytes=capacity))
     fp = footprint(actor, reference, engine, settings)
     if dp_size > 1:  # a rank of FSDP2 over dp_size: its shard of every parameter and of the AdamW state
         fp = dataclasses.replace(fp, actor_bytes=fp.actor_bytes // dp_size, reference_bytes=fp.reference_bytes // dp_size,
@@ -227,3 +229,130 @@ def test_the_planner_holds_a_tp_dp_rank_prefixes_at_its_own_rates_and_room(tp2_d
     assert {(c.form, c.bytes, c.round) for c in held} == {("compact", math.ceil(rate * 1050), 0)}
     assert len(held) * math.ceil(rate * 1050) <= room < (len(held) + 1) * math.ceil(rate * 1050)
     assert 0 < len(held) < 32  # the room binds: a different rate or room would hold another count
+
+
+# ---- micro-batches by tokens (issue 49) -------------------------------------------------------------------------
+def issue_shape(memory: MemoryEstimator) -> StepShape:
+    """Issue 49's shape: 4 image prompts of ~1,050 tokens x G = 8, 256 response tokens, with the estimator's rates
+    (what GRPOStep.shape gives it)."""
+    return StepShape(prompt_lengths=(1050,) * 4, group_size=8, max_new_tokens=256,
+                     kv_bytes_per_token=memory.fp.kv_bytes_per_token, activation_bytes_per_token=memory.graph_rate(),
+                     compact_bytes_per_token=memory.compact_rate())
+
+
+@pytest.mark.parametrize("mode", ["serial", "decomposed", "overlapped"])
+def test_the_planner_sizes_micro_batches_by_tokens_from_the_card(mode):
+    """The 3B recipe on the issue's shape: the planner's token budget grows with the card, fits it by the estimator's
+    own accounting (the micro-batch's whole graph within its share of what the train stage leaves, one more token
+    past it unless a cap stopped it; the train stage within the usable bytes), and stands in the plan's printout and
+    JSON."""
+    tokens = {}
+    for card in (H100, H200):
+        memory, settings = recipe_estimator("3B", 8.0, card, mode=mode)
+        shape = issue_shape(memory)
+        budget = memory.estimate(shape, settings.plan)
+        budget.check("the issue's step")
+        t = tokens[card] = budget.micro_batch_tokens
+        train = budget.residents["train"]
+        room = (1.0 if mode == "serial" else MICRO_BATCH_SHARE) * (
+            budget.usable_bytes - budget.stage_bytes("train") + train["activations"])
+        whole = lambda n: memory.train_micro_batch_bytes(shape, n, whole=True)
+        assert whole(t) <= room and budget.stage_bytes("train") <= budget.usable_bytes
+        assert "capped" in budget.micro_batch_reason or whole(t + 1) > room, budget.micro_batch_reason
+        plan = plan_step(dataclasses.replace(shape, prefix_room_bytes=budget.room_bytes), settings.plan)
+        plan.budget = budget
+        assert f"micro-batches: training {t:,} tokens" in str(plan)
+        assert json.loads(plan.to_json())["micro_batch_tokens"] == t
+    assert tokens[H200] > tokens[H100]
+
+
+# The planner's training micro-batch on issue 49's shape, in samples (its tokens over a sample's: 1,050 + 256 in
+# serial, 256 in the prefix modes), per (mode, card): the least and the most it may be
+PLANNED_SAMPLES = {
+    ("serial", H100): (2, 7),  # what ran of serial at 3B on an 80 GB card: 2 samples; 8 ran out of memory
+    ("serial", H200): (5, 12),
+    ("decomposed", H100): (8, 31),  # a whole group at least, not the whole step
+    ("decomposed", H200): (32, 32),  # the whole step: 4 groups of 8
+    ("overlapped", H100): (8, 31),
+    ("overlapped", H200): (32, 32),
+}
+
+
+@pytest.mark.parametrize("mode,card", sorted(PLANNED_SAMPLES))
+def test_the_planned_micro_batch_per_mode_and_card_as_data(mode, card):
+    memory, settings = recipe_estimator("3B", 8.0, card, mode=mode)
+    tokens = memory.estimate(issue_shape(memory), settings.plan).micro_batch_tokens
+    least, most = PLANNED_SAMPLES[(mode, card)]
+    assert least <= tokens // (256 + (1050 if mode == "serial" else 0)) <= most, tokens
+
+
+def test_where_whole_graphs_fit_only_narrow_micro_batches_the_budget_is_sized_by_the_recompute_form():
+    """At a 56 GiB cap the 3B recipe's decomposed whole graphs fit ~5 samples: the planner takes a group (what
+    MICRO_BATCH_TOKENS_WIDE allows) at its recompute form, which fits the same room; with memory.recompute "always"
+    the same; on a 141 GB card, where whole graphs fit wide micro-batches, whole graphs size it."""
+    memory, settings = recipe_estimator("3B", 8.0, 56 * GiB)
+    shape = issue_shape(memory)
+    budget = memory.estimate(shape, settings.plan)
+    room = MICRO_BATCH_SHARE * (budget.usable_bytes - budget.stage_bytes("train")
+                                + budget.residents["train"]["activations"])
+    assert budget.micro_batch_tokens == MICRO_BATCH_TOKENS_WIDE == 8 * 256
+    assert memory.train_micro_batch_bytes(shape, MICRO_BATCH_TOKENS_WIDE, whole=False) <= room
+    assert memory.train_micro_batch_bytes(shape, MICRO_BATCH_TOKENS_WIDE, whole=True) > room
+    assert "recomputing its blocks: whole graphs fit" in budget.micro_batch_reason
+    memory.fp = dataclasses.replace(memory.fp, recompute="always")
+    assert memory.estimate(shape, settings.plan).micro_batch_tokens >= MICRO_BATCH_TOKENS_WIDE
+    memory, settings = recipe_estimator("3B", 8.0, H200)
+    assert "recomputing" not in memory.estimate(issue_shape(memory), settings.plan).micro_batch_reason
+
+
+def test_on_the_same_card_the_prefix_modes_hold_more_samples_per_micro_batch_than_serial():
+    """A serial sample costs its prompt's 1,050 tokens too; a decomposed one its 256 response tokens: the budgets the
+    planner picks on an 80 GB card hold several times more decomposed samples (the issue's 2-sample micro-batch was
+    512 tokens)."""
+    samples = {}
+    for mode, cost in (("serial", 1050 + 256), ("decomposed", 256)):
+        memory, settings = recipe_estimator("3B", 8.0, H100, mode=mode)
+        samples[mode] = memory.estimate(issue_shape(memory), settings.plan).micro_batch_tokens // cost
+    assert samples["decomposed"] >= 3 * samples["serial"] >= 3
+
+
+def test_a_configured_token_budget_and_a_bound_on_sequences_are_what_the_plan_uses():
+    memory, settings = recipe_estimator("3B", 8.0, H100)
+    memory.fp = dataclasses.replace(memory.fp, micro_batch_tokens=1000, ref_micro_batch_size=2)
+    budget = memory.estimate(issue_shape(memory), settings.plan)
+    assert budget.micro_batch_tokens == 1000 and "training 1,000 tokens (configured)" in budget.micro_batch_reason
+    assert budget.ref_micro_batch_tokens == 2 * 256  # two full-length samples: the bound on sequences
+
+
+def test_the_memory_plan_counts_a_micro_batch_by_its_tokens():
+    """A training micro-batch of T tokens: in serial T prompt and response rows (the train stage's activations are
+    their recompute form: the recipe checkpoints); in the prefix modes T response tokens, and the prompt prefixes it
+    computes: one per group it touches, none where the step holds them (batched in training). The ref stage's
+    activations are its micro-batch's, which grow with its tokens."""
+    memory, settings = recipe_estimator("3B", 8.0, H100, mode="serial")
+    shape, fp = issue_shape(memory), memory.fp
+    for tokens in (2 * 1306, 4 * 1306):
+        memory.fp = dataclasses.replace(fp, micro_batch_tokens=tokens)
+        budget = memory.estimate(shape, settings.plan)
+        responses = tokens * 256 // 1306
+        assert budget.residents["train"]["activations"] == recompute_train_bytes(
+            memory.compact_rate(), max(fp.block_graph_bytes()), tokens, responses, fp.vocab_size)
+
+    memory, settings = recipe_estimator("3B", 8.0, H100)
+    shape = issue_shape(memory)
+    samples = (1, 8, 9, 16)
+    held = {n: memory.train_micro_batch_bytes(shape, n * 256, whole=True) for n in samples}
+    memory.fp = dataclasses.replace(memory.fp, batched_actor_prefix=False)
+    computed = {n: memory.train_micro_batch_bytes(shape, n * 256, whole=True) for n in samples}
+    prefix = lambda groups: no_recompute_bytes(memory.graph_rate(), groups * 1050, 0, 0, 0)
+    assert abs(computed[8] - held[8] - prefix(1)) <= 1  # one group: its prompt's prefix (rounding apart)
+    assert abs(computed[9] - held[9] - prefix(2)) <= 1  # a ninth sample touches the next group
+    assert held[16] - held[8] > held[8] - held[1] > 0  # responses and their keys grow with the tokens
+
+    refs = []
+    for tokens in (2048, 4096):
+        memory.fp = dataclasses.replace(memory.fp, ref_micro_batch_tokens=tokens)
+        budget = memory.estimate(shape, settings.plan)
+        refs.append(budget.residents["ref"]["activations"])
+        assert budget.ref_micro_batch_tokens == tokens
+    assert refs[1] > refs[0] > 0

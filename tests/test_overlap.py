@@ -216,10 +216,11 @@ def test_reference_scored_in_the_window_equals_decomposed(setup, threaded, sampl
     rollout = next(s for s in ovl.timeline.spans if s.name == "rollout")
     assert all(rollout.start_s <= s.start_s <= rollout.end_s for s in ovl.timeline.spans if s.lane == "window")
     assert runner.window.jobs_run == len(window)
-    # training took the three fused prefixes; the ref stage a held one for each prompt the window left unscored
+    # training took the three fused prefixes; the ref stage the held ones of the prompts the window left unscored,
+    # in micro-batches that pack what is left of several groups (one take each)
     left = sum(any(i * 4 + j not in jobs.scored for j in range(4)) for i in range(3))
     assert left == 0 or threaded
-    assert len(runner.scorer.store) == 0 and runner.scorer.store.served == 3 + left
+    assert len(runner.scorer.store) == 0 and 3 + (left > 0) <= runner.scorer.store.served <= 3 + left
 
 
 @pytest.mark.parametrize("prefix_prompts", [4, 1])

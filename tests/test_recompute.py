@@ -83,9 +83,10 @@ KV_POOL = 2 * 2**20
 
 
 def runner_for(setup, mode, checkpointed, budget=2**40, policy="auto", checkpoint_prefix=False):
-    # decomposed without the batched actor prefix: each micro-batch runs its prompts' prefixes, so they differ
+    # decomposed without the batched actor prefix: each micro-batch runs its prompts' prefixes, so they differ; the
+    # micro-batches are 4 sequences whatever the budget (a token budget derived from it would shrink with it)
     return cpu_runner(setup, mode, budget=budget, micro_batch=4, kv_pool=KV_POOL, checkpointed=checkpointed,
-                      recompute=policy, checkpoint_prefix=checkpoint_prefix,
+                      recompute=policy, checkpoint_prefix=checkpoint_prefix, micro_batch_tokens=2**20,
                       plan_options={"batched_actor_prefix": False})
 
 

@@ -28,6 +28,7 @@ def test_scale_rows_come_from_run_train_runs_and_a_failure_is_a_row(tmp_path):
         assert len(r["steps_s"]) == 2 and r["step_s"] == r["steps_s"][1]
         assert r["samples"] == 2 * r["prompts"] and r["tokens"] > r["samples"]
         assert {"rollout", "train"} <= set(r["phases_s"]) and r["decode"]["steps"] >= 1
+        assert r["micro_batch"]["tokens"] > 0 and r["micro_batch"]["train_count"] >= 1  # the planner's budget
         # the timed step's decode at the ladder's sizes: its steps, the rows they decoded, the live share of those
         d = r["decode"]
         assert sum(d["steps_by_rows"].values()) == d["steps"]
@@ -36,9 +37,12 @@ def test_scale_rows_come_from_run_train_runs_and_a_failure_is_a_row(tmp_path):
         run_dir = tmp_path / "w" / "runs" / f"scale-img-{r['prompts']}-{r['mode']}"
         saved = tomllib.loads((run_dir / "config.toml").read_text())  # the trainer's resolved config
         assert (saved["runtime"]["mode"], saved["data"]["prompts_per_step"]) == (r["mode"], r["prompts"])
-    failed = scale_bench.main(["--smoke", "--prompts", "1", "--modes", "decomposed", "--work", str(tmp_path / "w"),
-                               "--set", "memory.budget_gib=0.001", "--out", str(tmp_path / "failed.json")])["rows"]
-    assert [r["ok"] for r in failed] == [False] and "memory" in failed[0]["error"].lower()
+    # issue 49's rows: another workload and topic, each mode at a memory budget (one too small: a failed row)
+    failed = scale_bench.main(["--smoke", "--workload", "img-256", "--topic", "microbatch", "--budgets", "0.001",
+                               "--prompts", "1", "--modes", "decomposed", "--work", str(tmp_path / "w"),
+                               "--out", str(tmp_path / "failed.json")])
+    assert failed["topic"] == "microbatch" and [r["budget_gib"] for r in failed["rows"]] == [0.001]
+    assert [r["ok"] for r in failed["rows"]] == [False] and "memory" in failed["rows"][0]["error"].lower()
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from torchplex.config import load_config
 from torchplex.data.records import read_records
 from torchplex.data.synthetic import generate_synthetic_task
+from torchplex.models.qwen2_5_vl.tiny_checkpoint import make_tiny_checkpoint
 from torchplex.rl import rewards
 from torchplex.rollout.engine import PoolFloor
 from torchplex.rollout.kv_pool import GroupKVPool
@@ -253,13 +254,17 @@ def write_records_dropping_rank_1_groups(synthetic: Path, path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["serial", "overlapped", "window"])
+@pytest.mark.parametrize("mode", ["serial", "overlapped", "window", "serial-tokens", "overlapped-tokens"])
 def test_two_process_run_with_groups_dropped_on_one_rank_matches_one_process(tmp_path, tiny_ckpt, synthetic_dir,
                                                                               mode):
     """Dynamic sampling drops different numbers of groups on the two ranks (one rank keeps none at step 2): FSDP2
     needs every rank in every collective, so the ranks must still run the same micro-batches. The run finishes and
     trains like one process on the whole batch (same metrics, same weights up to fp32 summation order). "window"
-    also scores the reference in the decode window, where how much is left for the reference phase differs by rank."""
+    also scores the reference in the decode window, where how much is left for the reference phase differs by rank;
+    "-tokens" cuts micro-batches by a token budget on a checkpoint whose responses vary in length (stop tokens for a
+    mean of 4 tokens): serial's budget holds one or two samples, so its ranks make different numbers of training and
+    reference micro-batches (the sharded reference gathers in every forward: reference_phase evens them out);
+    overlapped's ranks cut alike by sequences (GRPOStep.limits), one process by the budget."""
     records = tmp_path / "train.jsonl"
     write_records_dropping_rank_1_groups(synthetic_dir, records)
     script = tmp_path / "launch_train.py"
@@ -271,13 +276,19 @@ def test_two_process_run_with_groups_dropped_on_one_rank_matches_one_process(tmp
         from torchplex.train import main
         main(sys.argv[1:])
     """))
+    if mode.endswith("-tokens"):
+        tiny_ckpt = make_tiny_checkpoint(tmp_path / "ckpt", size="debug", seed=0, mean_response=4).path
     argv = [f"--job.config_file={DEBUG_TOML}", *tiny_run_args(tiny_ckpt, synthetic_dir, tmp_path, "single"),
             f"--reward.functions={TEST_REWARD}", "--reward.weights=1.0", f"--data.train_file={records}",
             "--data.shuffle=false", "--data.prompts_per_step=4", "--algorithm.dynamic_sampling=true",
             "--algorithm.kl_coef=0.05", "--algorithm.micro_batch_size=4", "--optimizer.eps=1e-6",
             "--checkpoint.export_hf_at_end=true"]
-    argv += (["--runtime.mode=overlapped", "--runtime.reference_in_window"] if mode == "window"
-             else [f"--runtime.mode={mode}"])
+    budget = {"serial-tokens": 135, "overlapped-tokens": 40}.get(mode)
+    argv += (["--runtime.mode=overlapped", "--runtime.reference_in_window"] if mode == "window" else
+             [f"--runtime.mode={mode.removesuffix('-tokens')}"])
+    if budget:
+        argv += ["--algorithm.micro_batch_size=0", f"--algorithm.micro_batch_tokens={budget}",
+                 f"--algorithm.ref_micro_batch_tokens={budget}"]
     env = subprocess_env()
     for name, launch in (("single", [sys.executable, str(script)]),
                          ("fsdp2", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",

@@ -89,10 +89,12 @@ def test_request_from_outputs_equals_the_experience_request():
 
 
 def test_micro_batches_keep_groups_whole_also_when_some_samples_are_missing():
-    from torchplex.runtime.experience import micro_batches
+    from torchplex.runtime.experience import MicroBatchLimits, micro_batches
 
-    assert micro_batches(list(range(8)), 4, 4, True) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert micro_batches(list(range(8)), 4, 8, True) == [list(range(8))]
-    assert micro_batches([0, 2, 3, 5, 6, 9], 4, 4, True) == [[0, 2, 3], [5, 6], [9]]
-    assert micro_batches([0, 2, 3, 5, 6, 9], 4, 8, True) == [[0, 2, 3, 5, 6], [9]]
-    assert micro_batches(list(range(5)), 4, 2, False) == [[0, 1], [2, 3], [4]]
+    cut = lambda samples, size, whole: micro_batches(samples, 4, MicroBatchLimits(0, size, whole), [1] * 10)
+    assert cut(list(range(8)), 4, True) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert cut(list(range(8)), 8, True) == [list(range(8))]
+    assert cut([0, 2, 3, 5, 6, 9], 4, True) == [[0, 2, 3], [5, 6, 9]]  # partial groups share a micro-batch
+    assert cut([0, 2, 3, 5, 6, 9], 8, True) == [[0, 2, 3, 5, 6, 9]]
+    assert cut([0, 2, 3, 5, 6, 9], 2, True) == [[0, 2], [3], [5, 6], [9]]  # a group over the bound is cut
+    assert cut(list(range(5)), 2, False) == [[0, 1], [2, 3], [4]]

@@ -34,6 +34,11 @@ def outcome_metrics(out, dp: DataParallelRanks, kl_estimator: str) -> dict[str, 
         "skipped/nonfinite_steps": float(result.skipped_nonfinite),
         # training forwards whose checkpointed blocks recomputed or not (memory.recompute, docs/memory.md)
         "recompute/on": float(result.recompute["on"]), "recompute/off": float(result.recompute["off"]),
+        # the plan's tokens per training and reference micro-batch (algorithm.micro_batch_tokens), the training
+        # forwards they made (micro-batches x epochs)
+        "micro_batch/tokens": dp.mean([float(out.plan.budget.micro_batch_tokens)]) if out.plan.budget else 0.0,
+        "micro_batch/ref_tokens": dp.mean([float(out.plan.budget.ref_micro_batch_tokens)]) if out.plan.budget else 0.0,
+        "micro_batch/train_count": float(result.micro_batches),
     }
     metrics.update({f"reward/{name}": dp.mean(values) for name, values in exp.reward_parts.items()})
     if result.stats is not None:

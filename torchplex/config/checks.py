@@ -16,6 +16,14 @@ def apply_algorithm_defaults(cfg: Config, given: set[str]) -> None:
             setattr(cfg.algorithm, key, value)
 
 
+def reachable(cfg: Config, tokens: int, sequences: int) -> bool:
+    """Whether a micro-batch token budget can bind beside a bound on its sequences: `sequences` of the longest
+    sequence (a response of rollout.max_new_tokens; its prompt too in serial mode, where a sample costs both) hold
+    at least `tokens`. Either 0 (the planner's budget, no bound) always can."""
+    longest = cfg.rollout.max_new_tokens + (cfg.data.max_prompt_tokens if cfg.runtime.mode == "serial" else 0)
+    return not tokens or not sequences or tokens <= sequences * longest
+
+
 # Whole-config sanity checks: (key, predicate, requirement). Run after every override so the combined result counts.
 _CHECKS = [
     ("rollout.n_samples", lambda c: c.rollout.n_samples >= 2,
@@ -31,8 +39,24 @@ _CHECKS = [
      "needs rollout.backend = \"sglang\" (the native engine's sampling is seeded per sample already)"),
     ("algorithm.clip_low", lambda c: 0 <= c.algorithm.clip_low < 1, "must be in [0, 1)"),
     ("algorithm.clip_high", lambda c: c.algorithm.clip_high >= 0, "must be >= 0"),
-    ("algorithm.micro_batch_size", lambda c: c.algorithm.micro_batch_size >= 1, "must be >= 1"),
-    ("algorithm.ref_micro_batch_size", lambda c: c.algorithm.ref_micro_batch_size >= 0, "must be >= 0 (0: micro_batch_size)"),
+    ("algorithm.micro_batch_tokens", lambda c: c.algorithm.micro_batch_tokens >= 0,
+     "must be >= 0 (0 = the planner's, from the memory budget)"),
+    ("algorithm.ref_micro_batch_tokens", lambda c: c.algorithm.ref_micro_batch_tokens >= 0,
+     "must be >= 0 (0 = the planner's, from the memory budget)"),
+    ("algorithm.micro_batch_size", lambda c: c.algorithm.micro_batch_size >= 0, "must be >= 0 (0 = no bound)"),
+    ("algorithm.ref_micro_batch_size", lambda c: c.algorithm.ref_micro_batch_size >= 0,
+     "must be >= 0 (0 = algorithm.micro_batch_size)"),
+    ("algorithm.micro_batch_tokens",
+     lambda c: reachable(c, c.algorithm.micro_batch_tokens, c.algorithm.micro_batch_size),
+     "can never be reached: algorithm.micro_batch_size sequences of the longest (rollout.max_new_tokens tokens, "
+     "+ data.max_prompt_tokens in serial mode) hold fewer. Set one of the two: algorithm.micro_batch_size = 0 (no "
+     "bound on sequences) or a smaller algorithm.micro_batch_tokens"),
+    ("algorithm.ref_micro_batch_tokens",
+     lambda c: reachable(c, c.algorithm.ref_micro_batch_tokens,
+                         c.algorithm.ref_micro_batch_size or c.algorithm.micro_batch_size),
+     "can never be reached: algorithm.ref_micro_batch_size sequences (0: algorithm.micro_batch_size) of the longest "
+     "(rollout.max_new_tokens tokens, + data.max_prompt_tokens in serial mode) hold fewer. Set one of the two: "
+     "no bound on sequences or a smaller algorithm.ref_micro_batch_tokens"),
     ("algorithm.ppo_epochs", lambda c: c.algorithm.ppo_epochs >= 1, "must be >= 1 (0 epochs train nothing)"),
     ("memory.budget_gib", lambda c: c.memory.budget_gib >= 0, "must be >= 0 (0 = the device's memory)"),
     ("reward.weights", lambda c: len(c.reward.weights) == len(c.reward.functions),

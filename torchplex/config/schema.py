@@ -127,12 +127,18 @@ class AlgorithmConfig:
     importance: Literal["token", "sequence"] = "token"  # per-token (GRPO) or per-sequence (GSPO) ratio
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal (zero advantage)
     ppo_epochs: int = 1  # passes of training over each step's samples
-    # Sequences per forward/backward in every mode. The decomposed modes keep a prompt's group together when this
-    # is a multiple of rollout.n_samples (its prefix runs once); a smaller value cuts each group into pieces of
-    # this size (each piece runs the prefix again); any other value leaves micro-batches of whole groups only.
-    micro_batch_size: int = 8
-    # Sequences per reference-scoring forward (no grad, so it can be larger: fewer, bigger kernels per FLOP); 0 =
-    # micro_batch_size. Grouped like micro_batch_size.
+    # Tokens per training forward/backward: serial counts each sample's prompt and response, decomposed/overlapped
+    # its response alone (the prompt's prefix runs once per micro-batch or is held), keeping a prompt's samples
+    # together and packing several prompts' where they fit; a longer group is cut into pieces. 0 = the planner's,
+    # from the memory budget (plan.json, docs/memory.md)
+    micro_batch_tokens: int = 0
+    # Tokens per reference-scoring forward, counted like micro_batch_tokens; 0 = the planner's (no grad: a larger
+    # budget than training's for the same memory)
+    ref_micro_batch_tokens: int = 0
+    # An upper bound on sequences per training micro-batch, beside its token budget; 0 = no bound. A budget of
+    # micro_batch_tokens that this many of the longest sequences cannot reach is refused
+    micro_batch_size: int = 0
+    # An upper bound on sequences per reference-scoring micro-batch; 0 = micro_batch_size
     ref_micro_batch_size: int = 0
     entropy_coef: float = 0.0  # > 0: an entropy bonus, aggregated like the loss
 

@@ -78,18 +78,21 @@ def encode_visuals(model, batch: ModelBatch) -> tuple[torch.Tensor | None, torch
 
 
 # ---- batches cut by a token budget: the rollout's prefill admissions, the vision tower's encodings, the batched
-# prefix forwards all cut their items with these, so what the memory budget counts is what runs ----------------------
-def token_batches(items: Sequence, max_tokens: int, length=len, max_items: int | None = None) -> list[list]:
+# prefix forwards and the training and reference micro-batches all cut their items with these, so what the memory
+# budget counts is what runs --------------------------------------------------------------------------------------
+def token_batches(items: Sequence, max_tokens: int, length=len, max_items: int | None = None,
+                  count=lambda item: 1) -> list[list]:
     """`items` in order, cut greedily into batches of at most `max_tokens` tokens (an item longer than that alone)
-    and at most `max_items` items."""
+    and at most `max_items` items, an item counting `count(item)` of them (an item over that alone too)."""
     batches: list[list] = []
-    left = 0
+    left = items_left = 0
     for item in items:
-        if not batches or length(item) > left or (max_items is not None and len(batches[-1]) >= max_items):
+        if not batches or length(item) > left or (max_items is not None and count(item) > items_left):
             batches.append([])
-            left = max_tokens
+            left, items_left = max_tokens, max_items if max_items is not None else 0
         batches[-1].append(item)
         left -= length(item)
+        items_left -= count(item)
     return batches
 
 

@@ -19,6 +19,25 @@ def all_reduce_sums(values: Sequence[float | torch.Tensor], device, dp_group) ->
     return total.tolist()
 
 
+def most_over_ranks(count: int, device, dp_group) -> int:
+    """The largest `count` over the data-parallel ranks (`count` itself without a group): how many forwards every
+    rank runs where a sharded model gathers its parameters in each one."""
+    return _over_ranks(count, device, dp_group, dist.ReduceOp.MAX)
+
+
+def fewest_over_ranks(count: int, device, dp_group) -> int:
+    """The smallest `count` over the data-parallel ranks (`count` itself without a group)."""
+    return _over_ranks(count, device, dp_group, dist.ReduceOp.MIN)
+
+
+def _over_ranks(count: int, device, dp_group, op) -> int:
+    if dp_group is None:
+        return count
+    reduced = torch.tensor([count], device=device)
+    dist.all_reduce(reduced, op=op, group=dp_group)
+    return int(reduced.item())
+
+
 @dataclass(frozen=True)
 class DataParallelRanks:
     """This rank's place among the data-parallel ranks and the reductions over them. `group` is None with one
@@ -50,11 +69,7 @@ class DataParallelRanks:
 
     def fewest(self, count: int) -> int:
         """The smallest `count` over the ranks."""
-        if self.group is None:
-            return count
-        fewest = torch.tensor([count], device=self.device)
-        dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=self.group)
-        return int(fewest.item())
+        return fewest_over_ranks(count, self.device, self.group)
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

@@ -8,12 +8,14 @@ step code and must produce the same numbers.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from ..distributed.data_parallel import all_reduce_sums
+from ..data.batching import token_batches
+from ..distributed.data_parallel import all_reduce_sums, most_over_ranks
 from ..rl.advantages import compute_advantages, dynamic_sampling_keep
 from ..rl.losses import kl_penalty
 from ..rl.rewards import combine_rewards, is_correct
@@ -49,6 +51,12 @@ class Experience:
         g = self.group_size
         return [s for b in range(len(self.prompts)) if bool(self.keep_groups[b]) for s in range(b * g, (b + 1) * g)]
 
+    def token_costs(self, shares_prefix: bool) -> list[int]:
+        """Each sample's tokens through the decoder in a micro-batch (MicroBatchLimits): its response (at least one
+        token), and without `shares_prefix` its prompt too."""
+        prompt = lambda s: 0 if shares_prefix else len(self.prompts[s // self.group_size].input_ids)
+        return [max(1, n) + prompt(s) for s, n in enumerate(self.lengths.tolist())]
+
     def request(self, samples: Sequence[int]) -> ScoreRequest:
         idx = torch.tensor(list(samples), device=self.tokens.device)
         return score_request(self.prompts, self.group_size, samples, self.tokens[idx], self.lengths[idx])
@@ -76,26 +84,43 @@ def request_from_outputs(prompts: list, group_size: int, samples: Sequence[int],
     return score_request(prompts, group_size, samples, tokens.to(device), torch.tensor(lengths, device=device))
 
 
-def micro_batches(samples: list[int], group_size: int, micro_batch_size: int, whole_groups: bool) -> list[list[int]]:
-    """Split sample indices (prompt-major) into micro-batches of at most micro_batch_size sequences, in every mode.
+@dataclass(frozen=True)
+class MicroBatchLimits:
+    """How a phase cuts its samples into micro-batches (`micro_batches`). A sample costs the tokens its forward runs
+    through the decoder: with `shares_prefix` (the decomposed modes, whose prompt prefix runs once per micro-batch or
+    is held) its response, else (serial) its prompt and its response."""
 
-    whole_groups (the decomposed modes, where a group's samples share one prefix forward): micro_batch_size //
-    group_size whole groups per micro-batch, so exactly micro_batch_size sequences when it is a multiple of the group
-    size (fewer when it is not: the rest of a group never joins the next micro-batch); when micro_batch_size is
-    below the group size, each group is cut into pieces of micro_batch_size sequences, and each piece runs the
-    group's prompt prefix again (as serial scoring runs it for every sample)."""
-    if not whole_groups:
-        return [samples[i:i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]
+    tokens: int = 0  # at most this many tokens per micro-batch (a longer sample alone); 0: no bound
+    sequences: int = 0  # at most this many samples per micro-batch; 0: no bound
+    shares_prefix: bool = True
+
+
+def micro_batches(samples: list[int], group_size: int, limits: MicroBatchLimits, cost: Sequence[int]
+                  ) -> list[list[int]]:
+    """Sample indices (prompt-major) cut in order into micro-batches within `limits`, `cost[s]` sample s's tokens
+    (`Experience.token_costs`), greedily (data.batching.token_batches).
+
+    shares_prefix: a prompt's samples (a group) stay together, and several groups share a micro-batch where the
+    limits allow, each prompt's prefix running once for its samples; a group over the limits is cut into pieces
+    within them, each piece running the prompt's prefix again (as serial scoring runs it for every sample), the last
+    piece packed with the groups after it where they fit. Otherwise the samples are cut alone."""
+    max_tokens = limits.tokens or sys.maxsize
+    max_seqs = limits.sequences or None
+    tokens = lambda s: cost[s]
+    if not limits.shares_prefix:
+        return token_batches(samples, max_tokens, tokens, max_seqs)
     groups: list[list[int]] = []
     for s in samples:
         if groups and groups[-1][0] // group_size == s // group_size:
             groups[-1].append(s)
         else:
             groups.append([s])
-    if micro_batch_size < group_size:
-        return [g[i:i + micro_batch_size] for g in groups for i in range(0, len(g), micro_batch_size)]
-    per = micro_batch_size // group_size
-    return [[s for g in groups[i:i + per] for s in g] for i in range(0, len(groups), per)]
+    group_tokens = lambda g: sum(cost[s] for s in g)
+    pieces = [piece for g in groups
+              for piece in ([g] if group_tokens(g) <= max_tokens and len(g) <= (max_seqs or len(g))
+                            else token_batches(g, max_tokens, tokens, max_seqs))]
+    return [[s for piece in batch for s in piece]
+            for batch in token_batches(pieces, max_tokens, group_tokens, max_seqs, count=len)]
 
 
 def padded_outputs(flat: Sequence[SampleOutput]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,18 +154,25 @@ def build_experience(prompts: list, answers: list[str], outputs: list[list[Sampl
 
 
 @torch.no_grad()
-def reference_phase(reference, scorer: Scorer, exp: Experience, temperature: float, micro_batch_size: int,
-                    whole_groups: bool, scored: dict[int, torch.Tensor] | None = None) -> None:
-    """Per-token log-probs of every response under the frozen reference model. `scored` holds samples' log-probs
-    computed elsewhere (the decode window, as the samples finished); they are taken, not recomputed."""
+def reference_phase(reference, scorer: Scorer, exp: Experience, temperature: float, limits: MicroBatchLimits,
+                    scored: dict[int, torch.Tensor] | None = None, dp_group=None) -> None:
+    """Per-token log-probs of every response under the frozen reference model, in micro-batches within `limits`.
+    `scored` holds samples' log-probs computed elsewhere (the decode window, as the samples finished); they are
+    taken, not recomputed. `dp_group` (a reference sharded over data-parallel ranks, gathering its parameters in
+    every forward): the ranks' micro-batches, cut by tokens, differ in number, so this rank repeats its last one
+    (its scores discarded) up to the most any rank runs."""
     out = torch.zeros(exp.tokens.shape, dtype=torch.float32, device=exp.tokens.device)
     scored = scored if scored is not None else {}
     for s, logp in scored.items():
         out[s, :logp.shape[0]] = logp.float()
     samples = [s for s in range(exp.tokens.shape[0]) if s not in scored]
-    for mb in micro_batches(samples, exp.group_size, micro_batch_size, whole_groups):
+    batches = micro_batches(samples, exp.group_size, limits, exp.token_costs(limits.shares_prefix))
+    passes = most_over_ranks(len(batches), out.device, dp_group) - len(batches)  # before any rank's forward
+    for mb in batches:
         logp, _ = scorer.score(reference, exp.request(mb), temperature)
         out[torch.tensor(mb, device=out.device), :logp.shape[1]] = logp.float()
+    for _ in range(passes):
+        scorer.score(reference, exp.request(batches[-1]), temperature)
     exp.ref_logprobs = out
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -56,7 +56,18 @@ FIRST_TRAIN_UNPLANNED = 0.05
 FIRST_WHOLE_GRAPH_SCALE = 1.35
 # what to change when a step does not fit, in the order a user reaches for them
 FIT_KEYS = ("data.prompts_per_step", "rollout.n_samples", "rollout.max_new_tokens", "rollout.kv_pool_gib",
-            "algorithm.micro_batch_size", "memory.managed", "memory.budget_gib")
+            "algorithm.micro_batch_tokens", "memory.managed", "memory.budget_gib")
+# A derived micro-batch budget (algorithm.micro_batch_tokens 0) is at most this many tokens: a forward this wide
+# already fills the matrix units, so a wider one costs memory (better left to held prefixes and whole graphs) and
+# gains nothing
+MICRO_BATCH_TOKENS_CAP = 16384
+# A derived training budget whose whole graph fits fewer tokens than this is sized by its recompute form instead, up
+# to this many (checkpointed blocks): a forward narrower than this leaves the matrix units idle longer than
+# recomputing its blocks costs
+MICRO_BATCH_TOKENS_WIDE = 2048
+# The share of what a stage's other residents leave that a derived micro-batch budget may take in the prefix modes:
+# the rest is the room for the prefixes they hold (serial holds none and takes all of it)
+MICRO_BATCH_SHARE = 0.5
 
 
 class BatchTooLargeError(RuntimeError):
@@ -85,6 +96,11 @@ class MemoryBudget:
     held_cap_bytes: int | None = None
     held_cap: str = ""
     kv_pool_bytes: int = 0  # the rollout's KV pool this budget was planned with (sized here when rollout.kv_pool_gib 0)
+    # tokens per training and per reference micro-batch (algorithm.micro_batch_tokens, ref_micro_batch_tokens; sized
+    # from this budget where those are 0: MemoryEstimator.estimate), and how each was chosen
+    micro_batch_tokens: int = 0
+    ref_micro_batch_tokens: int = 0
+    micro_batch_reason: str = ""
 
     def stage_bytes(self, stage: str) -> int:
         return sum(self.residents.get(stage, {}).values())
@@ -227,6 +243,18 @@ def held_cap_for_whole_graphs(budget: MemoryBudget, whole_sizes: Sequence[int], 
     f, cap = max(options, key=lambda o: (o[0] + WHOLE_GRAPH_WORTH * kept(o[1]), o[0]))
     return cap, (f"{f} prompts fused and {kept(cap)} of {len(whole_sizes)} micro-batches whole beside "
                  f"{cap / 2**30:.2f} GiB of held prefixes at once (a whole graph worth {WHOLE_GRAPH_WORTH} fused)")
+
+
+def largest_fitting(bytes_at: Callable[[int], int], room_bytes: int, floor: int, cap: int) -> int:
+    """The largest token count in [floor, cap] whose bytes (`bytes_at`, non-decreasing in it) fit `room_bytes`;
+    `floor` when none does (the smallest micro-batch there is)."""
+    lo, hi = floor, max(floor, cap)
+    if bytes_at(hi) <= room_bytes:
+        return hi
+    while hi - lo > 1:  # lo fits or is the floor, hi does not fit
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if bytes_at(mid) <= room_bytes else (lo, mid)
+    return lo
 
 
 def kv_pool_bytes(need_all_bytes: int, one_group_bytes: int, rollout_resident_bytes: int, usable_bytes: int,

@@ -1,7 +1,8 @@
 """The step's memory estimate: a small object with an explicit contract, what the planner and training read.
 
     estimate(shape)    the MemoryBudget of a step of this shape (memory_budget.py: every group resident per stage,
-                       the KV pool, the room left for held prefixes); a query, it changes nothing
+                       the KV pool, the micro-batches' token budgets, the room left for held prefixes); a query, it
+                       changes nothing
     rates              the bytes per token the planner prices each holding form at (StepShape's rates)
     recompute_policy   training's per micro-batch choice: recompute or keep the whole graph (memory.recompute auto)
     observe(footprint) what a step measured (StepFootprint): the rates it learned replace the priors for the next
@@ -9,7 +10,8 @@
 
 The priors (used until a step measured the quantity; `docs/memory.md` lists where each came from) are estimates from
 the geometry: a decoder layer's graph is ~8 hidden-sized and ~4 MLP-sized saved tensors per token, the compact form
-one hidden state per layer and the K/V, training at its recompute form; on CUDA, a first step also counts
+one hidden state per layer and the K/V, training at its recompute form, a no-grad forward one layer's tensors at a
+time; on CUDA, a first step also counts
 FIRST_TRAIN_UNPLANNED of the capacity in training and scales whole-graph estimates by FIRST_WHOLE_GRAPH_SCALE.
 Only CUDA measures (the allocator's counters); elsewhere the priors stay.
 """
@@ -22,9 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.packing import suffix_key_heads
-from .memory_budget import (FIRST_TRAIN_UNPLANNED, FIRST_WHOLE_GRAPH_SCALE, HEADROOM, PREFIX_GRADS, UNPLANNED,
-                            MemoryBudget, agree_on_recompute, batch_token_bound, device_capacity,
-                            held_cap_for_whole_graphs, held_gradient_bytes, kv_pool_bytes, needs_recompute,
+from .memory_budget import (FIRST_TRAIN_UNPLANNED, FIRST_WHOLE_GRAPH_SCALE, HEADROOM, MICRO_BATCH_SHARE,
+                            MICRO_BATCH_TOKENS_CAP, MICRO_BATCH_TOKENS_WIDE, PREFIX_GRADS, UNPLANNED, MemoryBudget,
+                            agree_on_recompute, batch_token_bound, device_capacity, held_cap_for_whole_graphs,
+                            held_gradient_bytes, kv_pool_bytes, largest_fitting, logits_bytes, needs_recompute,
                             no_recompute_bytes, packed_key_bytes, prefix_backward_rate, recompute_train_bytes,
                             step_residents, whole_graph_scale)
 from .plan import PlanOptions, StepShape, holds_every_ref_prefix
@@ -55,8 +58,13 @@ class Footprint:
     vision_layer: tuple[int, int, int]  # (hidden, intermediate, merge^2) of a trainable tower's block; zeros frozen
     vision_depth: int
     checkpointed: bool  # the actor's blocks recompute in backward (activation checkpointing)
-    micro_batch_size: int
     capacity_bytes: int  # memory.budget_gib, or 0: the device's at each estimate
+    # training's and reference scoring's tokens per micro-batch (0: sized here, `MemoryBudget.micro_batch_tokens`),
+    # and their bounds on sequences (0: none)
+    micro_batch_tokens: int = 0
+    ref_micro_batch_tokens: int = 0
+    micro_batch_size: int = 0
+    ref_micro_batch_size: int = 0
     dp_size: int = 1
     train_rounds: bool = True  # training may hold prefixes in rounds (one process, plain tensors)
     recompute: str = "auto"  # memory.recompute
@@ -77,6 +85,11 @@ class Footprint:
         hidden, inter, merge = self.vision_layer
         vision = layer(hidden, inter) * merge if hidden else 0
         return layer(self.hidden_size, self.intermediate_size), vision
+
+    def forward_bytes_per_token(self) -> int:
+        """What a no-grad forward keeps per token at once: one decoder layer's tensors (the residual stream, its
+        normed copy, the queries and the attention output; the MLP's gate, up and their product)."""
+        return (4 * self.hidden_size + 3 * self.intermediate_size) * self.element_size
 
     def graph_prior(self) -> float:
         """Bytes per prompt token a fused prefill's whole graph holds, before it was measured (an overestimate only
@@ -125,6 +138,11 @@ class StepFootprint:
     recompute: dict = field(default_factory=dict)  # the policy's log: estimates, measured, whole, held_estimates
 
 
+def bounded(tokens: int, sequences: int, longest: int) -> int:
+    """A micro-batch's tokens within its bound on sequences (0: none) of at most `longest` tokens each."""
+    return min(tokens, sequences * longest) if sequences else tokens
+
+
 class MemoryEstimator:
     def __init__(self, footprint: Footprint, engine, device: torch.device, measured: bool, trainable=(),
                  managed_peaks: dict[str, int] | None = None, planned_pool_bytes: int = 0):
@@ -152,7 +170,8 @@ class MemoryEstimator:
     # ---- estimate -----------------------------------------------------------------------------------------------
     def estimate(self, shape: StepShape, options: PlanOptions) -> MemoryBudget:
         """The budget of a step of this shape: every group resident per stage, the KV pool (sized from the budget
-        with kv_pool_from_budget: `MemoryBudget.kv_pool_bytes`), the held cap from the last step's whole graphs."""
+        with kv_pool_from_budget: `MemoryBudget.kv_pool_bytes`), the micro-batches' token budgets and what they take
+        (`_size_micro_batches`), the held cap from the last step's whole graphs."""
         fp = self.fp
         budget = MemoryBudget(fp.capacity_bytes or device_capacity(self.device), self._residents(shape))
         residents = budget.residents
@@ -171,6 +190,7 @@ class MemoryEstimator:
             residents[stage][UNPLANNED] = nbytes
         if self.measured and "train" not in self.learned.unplanned_bytes:
             residents["train"][UNPLANNED] = int(FIRST_TRAIN_UNPLANNED * budget.capacity_bytes)
+        self._size_micro_batches(shape, options, budget)
         rounds = fp.batched_actor_prefix and fp.train_rounds
         if self.learned.whole_graph_sizes and rounds and fp.recompute == "auto" and fp.checkpointed:
             smallest = shape.compact_bytes_per_token or shape.activation_bytes_per_token
@@ -180,11 +200,11 @@ class MemoryEstimator:
         return budget
 
     def _residents(self, shape: StepShape) -> dict[str, dict[str, int]]:
-        """Every group per stage but the KV pool: weights, optimizer state, gradients, training's activations (and
-        the held batched prefixes' gradients)."""
+        """Every group per stage but the KV pool: weights, optimizer state, gradients, the held batched prefixes'
+        gradients and their backward's transient as training's activations (`_size_micro_batches` adds the
+        micro-batch's: the two never overlap)."""
         fp = self.fp
-        train_act = self._train_activations(shape)
-        held_grads = 0
+        train_act, held_grads = 0, 0
         cap = self._held_batch_cap()
         if cap:
             rate = self.learned.prefix_backward_rate or prefix_backward_rate(max(fp.block_graph_bytes()))
@@ -201,18 +221,126 @@ class MemoryEstimator:
             residents["train"][PREFIX_GRADS] = held_grads
         return residents
 
-    def _train_activations(self, shape: StepShape) -> int:
-        """The largest training micro-batch's activations: measured, else (checkpointed) its recompute form, else
-        its whole graph (suffix graphs, the prefix graphs of unheld prompts, fp32 logits)."""
+    # ---- micro-batches by tokens --------------------------------------------------------------------------------
+    def _size_micro_batches(self, shape: StepShape, options: PlanOptions, budget: MemoryBudget) -> None:
+        """Training's and the reference's tokens per micro-batch (the configured ones, else the largest whose bytes fit
+        their stage: `micro_batch_tokens`), into `budget` with what each takes in its stage's activations. Training
+        counts its micro-batch at its recompute form when checkpointed (held prefixes always fit; the learned bytes
+        once measured), and sizes it with `_train_tokens`."""
+        fp, residents = self.fp, budget.residents
+        budget.micro_batch_tokens, why = self._train_tokens(shape, budget)
+        tokens = budget.micro_batch_tokens
+        counted = (self.learned.train_activation_bytes if self.learned.train_activation_bytes is not None
+                   else self.train_micro_batch_bytes(shape, tokens, whole=not fp.checkpointed))
+        residents["train"]["activations"] = max(residents["train"].get("activations", 0), counted)
+        reasons = [f"training {tokens:,} tokens ({why})"]
+        if shape.has_reference:
+            held = holds_every_ref_prefix(shape, options)
+            budget.ref_micro_batch_tokens, why = self._tokens_for(
+                shape, budget, "ref", fp.ref_micro_batch_tokens, fp.ref_micro_batch_size,
+                lambda t: self.ref_micro_batch_bytes(shape, t, held), one_group=True)
+            residents["ref"]["activations"] = self.ref_micro_batch_bytes(shape, budget.ref_micro_batch_tokens, held)
+            reasons.append(f"reference {budget.ref_micro_batch_tokens:,} tokens ({why})")
+        budget.micro_batch_reason = "; ".join(reasons)
+
+    def _train_tokens(self, shape: StepShape, budget: MemoryBudget) -> tuple[int, str]:
+        """(training's tokens per micro-batch, why): the largest whose whole graph fits (its recompute form with
+        memory.recompute "always"). Where blocks are checkpointed and whole graphs fit fewer than
+        MICRO_BATCH_TOKENS_WIDE, the largest up to that whose recompute form fits: a narrower forward loses more to
+        idle matrix units than recomputing its blocks costs (the recompute policy still keeps a whole graph where the
+        memory free at its forward holds it)."""
         fp = self.fp
-        if self.learned.train_activation_bytes is not None:
-            return self.learned.train_activation_bytes
-        mbs, n = fp.micro_batch_size, shape.group_size
-        tokens = mbs * shape.max_new_tokens + math.ceil(mbs / n) * max(shape.prompt_lengths)
-        if fp.checkpointed:  # whatever memory.recompute: a micro-batch skips the recompute only in what is left
-            return recompute_train_bytes(shape.compact_bytes_per_token, max(fp.block_graph_bytes()), tokens,
-                                         mbs * shape.max_new_tokens, fp.vocab_size)
-        return math.ceil(shape.activation_bytes_per_token * tokens + 4 * mbs * shape.max_new_tokens * fp.vocab_size)
+        whole = not (fp.checkpointed and fp.recompute == "always")
+        bytes_at = lambda kept: lambda t: math.ceil(
+            (self.graph_scale() if kept else 1.0) * self.train_micro_batch_bytes(shape, t, kept))
+        tokens, why = self._tokens_for(shape, budget, "train", fp.micro_batch_tokens, fp.micro_batch_size,
+                                       bytes_at(whole), one_group=False)
+        if whole and fp.checkpointed and not fp.micro_batch_tokens and tokens < MICRO_BATCH_TOKENS_WIDE:
+            wider, how = self._tokens_for(shape, budget, "train", 0, fp.micro_batch_size, bytes_at(False),
+                                          one_group=False, widest=MICRO_BATCH_TOKENS_WIDE)
+            if wider > tokens:
+                return wider, f"{how}, recomputing its blocks: whole graphs fit {tokens:,}"
+        return tokens, why
+
+    def _tokens_for(self, shape: StepShape, budget: MemoryBudget, stage: str, configured: int, sequences: int,
+                    bytes_at, one_group: bool, widest: int = MICRO_BATCH_TOKENS_CAP) -> tuple[int, str]:
+        """(tokens per micro-batch of `stage`, why): `configured`, else the largest in [one sequence (one group with
+        `one_group` in the prefix modes: its prefix then serves it whole), the cap] whose `bytes_at` fits the stage's
+        share of what its other residents leave (MICRO_BATCH_SHARE in the prefix modes, all of it in serial: no held
+        prefixes); the cap is the least of `widest` (MICRO_BATCH_TOKENS_CAP or _WIDE), the whole step and `sequences`
+        of the longest."""
+        if configured:
+            return configured, "configured"
+        serial = self.fp.mode == "serial"
+        longest = shape.max_new_tokens + (max(shape.prompt_lengths) if serial else 0)
+        floor = longest * (min(shape.group_size, sequences or shape.group_size) if one_group and not serial else 1)
+        caps = {"MICRO_BATCH_TOKENS_CAP" if widest == MICRO_BATCH_TOKENS_CAP else "MICRO_BATCH_TOKENS_WIDE": widest,
+                "the whole step": shape.group_size * (len(shape.prompt_lengths) * shape.max_new_tokens
+                                                      + (shape.prefix_tokens if serial else 0))}
+        if sequences:
+            caps["the sequence bound"] = sequences * longest
+        cap_name, cap = min(caps.items(), key=lambda kv: kv[1])
+        share = 1.0 if serial else MICRO_BATCH_SHARE
+        others = budget.stage_bytes(stage) - budget.residents[stage].get("activations", 0)
+        room = int(share * max(0, budget.usable_bytes - others))
+        tokens = largest_fitting(bytes_at, room, floor, cap)
+        if tokens >= cap:
+            return tokens, f"capped at {cap_name}"
+        if bytes_at(tokens) > room:
+            return tokens, f"one {'group' if floor > longest else 'sequence'}, the smallest: nothing fits " \
+                           f"{room / 2**30:.2f} GiB"
+        return tokens, f"the largest whose bytes fit {share:.0%} of the {room / share / 2**30:.2f} GiB the {stage} " \
+                       f"stage leaves"
+
+    def train_micro_batch_bytes(self, shape: StepShape, tokens: int, whole: bool) -> int:
+        """What a training micro-batch of `tokens` (serial: prompt and response rows; the prefix modes: responses)
+        takes: its whole graph (`whole_graph_bytes`) or its recompute form (`recompute_train_bytes`). Its samples
+        count at full length (shorter ones put more samples, each with its prompt's packed keys, in a budget:
+        algorithm.micro_batch_size bounds them); in the prefix modes the prefixes of the groups it touches count
+        unless the step holds them (fused, or batched in training)."""
+        fp, P, R = self.fp, max(shape.prompt_lengths), shape.max_new_tokens
+        tokens = bounded(tokens, fp.micro_batch_size, R + (P if fp.mode == "serial" else 0))
+        if fp.mode == "serial":
+            responses = math.ceil(tokens * R / (P + R))
+            prefix, key_rows = tokens - responses, 0
+        else:
+            samples = math.ceil(tokens / R)
+            held = fp.fuses or fp.batched_actor_prefix
+            prefix = 0 if held else min(len(shape.prompt_lengths), math.ceil(samples / shape.group_size)) * P
+            responses, key_rows = tokens, samples * P + tokens
+        if whole:
+            return self.whole_graph_bytes(prefix, responses, key_rows)
+        return recompute_train_bytes(shape.compact_bytes_per_token, max(fp.block_graph_bytes()), prefix + responses,
+                                     responses, fp.vocab_size)
+
+    def ref_micro_batch_bytes(self, shape: StepShape, tokens: int, prefixes_held: bool) -> int:
+        """What a reference micro-batch of `tokens` takes at once (no grad): one layer's tensors over its tokens and
+        the prefixes it computes (none where the ref stage holds every prefix), one layer's packed suffix keys, one
+        LM-head chunk's logits."""
+        fp, P, R = self.fp, max(shape.prompt_lengths), shape.max_new_tokens
+        tokens = bounded(tokens, fp.ref_micro_batch_size, R + (P if fp.mode == "serial" else 0))
+        if fp.mode == "serial":
+            return fp.forward_bytes_per_token() * tokens + logits_bytes(tokens, fp.vocab_size)
+        samples = math.ceil(tokens / R)
+        prefix = 0 if prefixes_held else min(len(shape.prompt_lengths), math.ceil(samples / shape.group_size)) * P
+        keys = packed_key_bytes(samples * P + tokens, 1, self._key_heads(), fp.head_dim, fp.element_size)
+        return fp.forward_bytes_per_token() * (prefix + tokens) + keys + logits_bytes(tokens, fp.vocab_size)
+
+    def whole_graph_bytes(self, prefix_tokens: int, response_tokens: int, key_rows: int) -> int:
+        """A training forward's activations with every block keeping its graph (before `graph_scale`): the prefixes it
+        computes at the prefix graph's rate, its responses at the decoder layers' (`no_recompute_bytes`), and the
+        packed suffix keys of `key_rows` rows (0: serial, whose attention keeps no gathered keys)."""
+        fp = self.fp
+        est = no_recompute_bytes(self.graph_rate(), prefix_tokens, fp.num_layers * fp.block_graph_bytes()[0],
+                                 response_tokens, fp.vocab_size)
+        if key_rows:
+            est += packed_key_bytes(key_rows, fp.num_layers, self._key_heads(), fp.head_dim, fp.element_size)
+        return est
+
+    def _key_heads(self) -> int:
+        fp = self.fp
+        return suffix_key_heads(fp.num_heads, fp.num_kv_heads, fp.head_dim, self.device,
+                                torch.bfloat16 if fp.element_size == 2 else torch.float32)
 
     def _held_batch_cap(self) -> int:
         """The most padded tokens one batch of held prefixes takes (0: none held in batches): the rollout's prefill
@@ -237,23 +365,19 @@ class MemoryEstimator:
             return lambda mb, req: False
         if fp.recompute == "always":
             return lambda mb, req: True
-        rate, suffix_rate = self.graph_rate(), fp.num_layers * fp.block_graph_bytes()[0]
-        key_heads = suffix_key_heads(fp.num_heads, fp.num_kv_heads, fp.head_dim, self.device,
-                                     torch.bfloat16 if fp.element_size == 2 else torch.float32)
         scale = self.graph_scale()
-        log.update(bytes_per_token=rate, suffix_bytes_per_token=suffix_rate, scale=scale, estimates=[],
-                   free_bytes=[], whole=[], held_estimates=[])
+        log.update(bytes_per_token=self.graph_rate(), suffix_bytes_per_token=fp.num_layers * fp.block_graph_bytes()[0],
+                   scale=scale, estimates=[], free_bytes=[], whole=[], held_estimates=[])
 
         def decide(mb, req) -> bool:
             responses = sum(req.host_lengths())
             prompt_rows = sum(len(req.prompts[i].input_ids) for i in req.prompt_index)
             prefix = prompt_rows if serial else sum(len(p.input_ids) for p in req.prompts if not held(p))
-            est = no_recompute_bytes(rate, prefix, suffix_rate, responses, fp.vocab_size)
-            if not serial:  # the suffixes' packed keys: each sample's prompt rows and its own tokens
-                keys = packed_key_bytes(prompt_rows + responses, fp.num_layers, key_heads, fp.head_dim,
-                                        fp.element_size)
-                est += keys
-                log["held_estimates"].append(no_recompute_bytes(rate, 0, suffix_rate, responses, fp.vocab_size) + keys)
+            # the prefix modes' packed suffix keys: each sample's prompt rows and its own tokens
+            key_rows = 0 if serial else prompt_rows + responses
+            est = self.whole_graph_bytes(prefix, responses, key_rows)
+            if not serial:
+                log["held_estimates"].append(self.whole_graph_bytes(0, responses, key_rows))
             free, margin = self.free_for_training(budget, held_bytes)
             log["estimates"].append(est)  # unscaled: what whole_graph_scale compares the measured bytes with
             log["free_bytes"].append(free - margin)

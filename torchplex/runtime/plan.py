@@ -2,9 +2,10 @@
 
 A plan lists the step's phases in execution order, each with the phases it depends on, where it runs
 (`placement`), and the memory it holds while it runs; how each prompt's actor prefix is held; the memory budget it
-was planned from; and why (`reasons`). The step (runtime/step.py) runs its phases in one fixed order and reads every
-decision from the plan, so a plan can be printed, tested and drawn before anything runs; what the step measured is
-its report, never written back into the plan.
+was planned from, with the training and reference micro-batches' token budgets; and why (`reasons`). The step
+(runtime/step.py) runs its phases in one fixed order and reads every decision from the plan, so a plan can be
+printed, tested and drawn before anything runs; what the step measured is its report, never written back into the
+plan.
 
 Phase names and placements come from `phases.py` (the one vocabulary). Placements:
   main          on the main stream, after its dependencies
@@ -128,7 +129,8 @@ class StepPlan:
     prefix_forms: list[PrefixChoice] = field(default_factory=list)  # how each prompt's actor prefix is held
     # decomposed with batched_actor_prefix: how each prompt's actor prefix is held within the train stage
     train_prefix_forms: list[PrefixChoice] = field(default_factory=list)
-    budget: MemoryBudget | None = None  # the memory budget it was planned from
+    # the memory budget it was planned from, with the micro-batches' token budgets (printed and in the JSON)
+    budget: MemoryBudget | None = None
     # the ref stage first runs, batched, the reference prefixes it needs (every one; with the window, those of the
     # prompts the window left): batched_ref_prefix
     ref_prefix_batched: bool = False
@@ -187,6 +189,8 @@ class StepPlan:
             lines.append(f"{p.name:<16}{p.placement:<24}{','.join(p.depends_on) or '-':<34}{p.tokens:>9}"
                          f"{p.holds_bytes / 2**20:>11.1f}" + (f"  {p.note}" if p.note else ""))
         lines += [f"  - {r}" for r in self.reasons]
+        if self.budget is not None and self.budget.micro_batch_reason:
+            lines.append(f"  micro-batches: {self.budget.micro_batch_reason}")
         for label, choices in (("actor prefixes", self.prefix_forms), ("actor prefixes in training",
                                                                         self.train_prefix_forms)):
             if choices:
@@ -197,7 +201,10 @@ class StepPlan:
 
     def to_json(self) -> str:
         phases = [{**asdict(p), "stage": p.stage} for p in self.phases]
+        budget = self.budget or MemoryBudget(0)
         return json.dumps({"mode": self.mode, "phases": phases, "reasons": self.reasons,
+                           "micro_batch_tokens": budget.micro_batch_tokens,
+                           "ref_micro_batch_tokens": budget.ref_micro_batch_tokens,
                            "prefix_forms": [asdict(c) for c in self.prefix_forms],
                            "train_prefix_forms": [asdict(c) for c in self.train_prefix_forms],
                            "memory": self.budget.to_dict() if self.budget else {},

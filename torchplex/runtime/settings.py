@@ -15,8 +15,12 @@ class StepSettings:
     advantage: str = "grpo"
     dynamic_sampling: bool = False
     temperature: float = 1.0
-    micro_batch_size: int = 8
-    ref_micro_batch_size: int = 0  # reference scoring's; 0: micro_batch_size
+    # training's and reference scoring's tokens per micro-batch (experience.MicroBatchLimits); 0: the planner's,
+    # from the memory budget (MemoryEstimator.estimate)
+    micro_batch_tokens: int = 0
+    ref_micro_batch_tokens: int = 0
+    micro_batch_size: int = 0  # at most this many sequences per training micro-batch; 0: no bound
+    ref_micro_batch_size: int = 0  # likewise for reference scoring; 0: micro_batch_size
     ppo_epochs: int = 1
     grad_clip: float = 1.0
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)

@@ -25,11 +25,12 @@ import torch
 
 from ..components.captured_step import plain_tensors
 from ..components.peak_memory import PeakWindows
+from ..distributed.data_parallel import fewest_over_ranks
 from ..distributed.fsdp import gathered, reshard
 from ..models.qwen2_5_vl.parallelize import wrap_blocks
 from ..rollout.sampling import SamplingParams
 from .decomposition import DecomposedScorer, VisionCache
-from .experience import Experience, build_experience, reference_phase
+from .experience import Experience, MicroBatchLimits, build_experience, reference_phase
 from .held_prefixes import TrainPrefixes, held_forms_after_prefill
 from .memory_budget import PrefixChoice
 from .memory_estimate import MemoryEstimator, StepFootprint
@@ -111,13 +112,26 @@ class GRPOStep:
         self.window = WindowWorker(self.device)
         self.windows = PeakWindows.for_device(self.device)  # the allocator's counters (CUDA; None elsewhere)
         self.train_phase = TrainPhase(actor, self.scorer, optimizer, lr_scheduler, TrainSettings(
-            settings.loss, settings.temperature, settings.micro_batch_size, not serial, settings.ppo_epochs,
+            settings.loss, settings.temperature, MicroBatchLimits(shares_prefix=not serial), settings.ppo_epochs,
             settings.grad_clip, 1, dp_size, dp_group))
         self.failed_plan: StepPlan | None = None  # the last failed step's, with what it measured
 
     @property
     def optimizer(self):
         return self.train_phase.optimizer
+
+    def limits(self, s: _State, tokens: int, training: bool) -> MicroBatchLimits:
+        """Training's or reference scoring's micro-batch limits at `tokens` per micro-batch (the plan's budget).
+        Data-parallel prefix modes cut by sequences instead, as many on every rank (the fewest full-length responses
+        any rank's budget holds): a micro-batch runs the sharded prefix forwards of the prompts it does not hold, and
+        a group cut into pieces takes its held prefix in the first only, so the ranks' micro-batches must have the
+        same groups and pieces for their FSDP2 collectives to match (responses cut by tokens differ per rank)."""
+        st = self.settings
+        sequences = st.micro_batch_size if training else st.ref_micro_batch_size or st.micro_batch_size
+        if self.dp_size == 1 or st.plan.mode == "serial":
+            return MicroBatchLimits(tokens, sequences, shares_prefix=st.plan.mode != "serial")
+        fit = fewest_over_ranks(max(1, tokens // s.params.max_new_tokens), self.device, self.dp_group)
+        return MicroBatchLimits(0, min(fit, sequences or fit), shares_prefix=True)
 
     def vision_trainable(self) -> bool:
         return any(p.requires_grad for p in self.actor.visual.parameters())
@@ -130,7 +144,7 @@ class GRPOStep:
                          kv_bytes_per_token=self.memory.fp.kv_bytes_per_token,
                          activation_bytes_per_token=self.memory.graph_rate(),
                          compact_bytes_per_token=self.memory.compact_rate(),
-                         ref_prefix_batchable=self._ref_prefix_unbatchable(params.n), device=self.device.type,
+                         ref_prefix_batchable=self._ref_prefix_unbatchable(params), device=self.device.type,
                          train_rounds=self.memory.fp.train_rounds)
 
     def plan(self, prompts, params: SamplingParams) -> StepPlan:
@@ -145,17 +159,23 @@ class GRPOStep:
         plan.budget = budget
         return plan
 
-    def _ref_prefix_unbatchable(self, group_size: int) -> str:
+    def _ref_prefix_unbatchable(self, params: SamplingParams) -> str:
         """Why the reference prefixes cannot run batched ahead of the suffixes ("" when they can): on several ranks
         a sharded reference gathers per forward, and the ranks' prompts fall in different numbers of length groups;
-        a reference micro-batch smaller than a group scores a group in pieces, each taking the prefix again."""
+        reference micro-batches that may cut a group (fewer sequences than a group, or a configured token budget
+        below a group of full-length responses) score it in pieces, each taking the prefix again (a derived budget
+        holds a group: MemoryEstimator.estimate)."""
         if self.reference is None:
             return "no reference model"
         if self.dp_size > 1 and not plain_tensors(self.reference):
             return "the reference is sharded across data-parallel ranks"
-        size = self.settings.ref_micro_batch_size or self.settings.micro_batch_size
-        if size < group_size:
-            return f"reference micro-batches of {size} < a group's {group_size}"
+        st, g = self.settings, params.n
+        size = st.ref_micro_batch_size or st.micro_batch_size
+        if size and size < g:
+            return f"reference micro-batches of {size} sequences < a group's {g}"
+        if st.ref_micro_batch_tokens and st.ref_micro_batch_tokens < g * params.max_new_tokens:
+            return (f"reference micro-batches of {st.ref_micro_batch_tokens} tokens may cut a group of {g} x "
+                    f"{params.max_new_tokens}")
         return ""
 
     # ---- the step -----------------------------------------------------------------------------------------------
@@ -239,17 +259,20 @@ class GRPOStep:
                                 st.advantage, st.dynamic_sampling, self.device)
 
     def _reference(self, s: _State) -> None:
-        # Every rank scores all its samples here (equal numbers: the trainer gives ranks equal shares), so per-forward
-        # FSDP2 gathers stay in step; with the window, how many are left differs between ranks, and the reference is
-        # gathered once from the rollout on (distributed.fsdp.gathered).
+        # Every rank scores all its samples here, in as many forwards as the rank with the most (reference_phase), so
+        # per-forward FSDP2 gathers stay in step; with the window, how many are left differs between ranks, and the
+        # reference is gathered once from the rollout on (distributed.fsdp.gathered).
         st = self.settings
         if s.plan.ref_prefix_batched:  # the prompts whose samples the window did not all score
             g, scored = s.params.n, s.window_jobs.scored
             left = [p for i, p in enumerate(s.prompts) if any(i * g + j not in scored for j in range(g))]
             hold_prefixes(self.scorer, self.reference, left, s.prefixes)
-        reference_phase(self.reference, self.scorer, s.experience, st.temperature,
-                        st.ref_micro_batch_size or st.micro_batch_size, s.plan.mode != "serial",
-                        scored=s.window_jobs.scored)
+        # a reference sharded over the ranks and not gathered for the window gathers in every forward: the ranks'
+        # micro-batches, cut by tokens, are evened out in number
+        sharded = self.dp_size > 1 and not plain_tensors(self.reference) and not s.window_jobs.reads_reference
+        limits = self.limits(s, s.plan.budget.ref_micro_batch_tokens, training=False)
+        reference_phase(self.reference, self.scorer, s.experience, st.temperature, limits, scored=s.window_jobs.scored,
+                        dp_group=self.dp_group if sharded else None)
         reshard(self.reference)
         s.gathers.close()
 
@@ -263,7 +286,8 @@ class GRPOStep:
             s.plan.mode == "serial", lambda p: self.scorer.store.has(self.actor, p), _tp_group(self.actor),
             s.plan.budget, s.plan.held_bytes(), log)
         windows = self.windows if self.windows.counter is not None else None
-        self.train_phase.s.max_len = s.params.max_new_tokens
+        self.train_phase.s = replace(self.train_phase.s, max_len=s.params.max_new_tokens,
+                                     limits=self.limits(s, s.plan.budget.micro_batch_tokens, training=True))
         held.hold_round(0)
         s.result = self.train_phase.run(s.experience, TrainMemory(
             recompute_for=recompute_for, windows=windows, rounds=held.rounds if held.in_rounds else None,

@@ -2,10 +2,11 @@
 one optimizer step per epoch.
 
 Every micro-batch loss is normalised by the whole mini-batch's totals (summed over data-parallel ranks), so
-accumulating micro-batches equals one full-batch step, whatever the partition. The scorer (runtime/scoring.py,
-decomposition.py) computes the log-probs; what the step's memory plan adds around the micro-batches comes in a
-`TrainMemory` (whether each recomputes its checkpointed blocks, the peak windows that measure it, the rounds of
-held prefixes), so this module knows nothing of budgets.
+accumulating micro-batches equals one full-batch step, whatever the partition: the micro-batches are cut by tokens
+(experience.micro_batches, within the plan's token budget: `TrainSettings.limits`), and their number differs with
+the response lengths. The scorer (runtime/scoring.py, decomposition.py) computes the log-probs; what the step's
+memory plan adds around the micro-batches comes in a `TrainMemory` (whether each recomputes its checkpointed blocks,
+the peak windows that measure it, the rounds of held prefixes), so this module knows nothing of memory.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import torch.distributed as dist
 
 from ..components.optim import clip_grad_norm
 from ..components.peak_memory import PeakWindows, grad_bytes
-from ..distributed.data_parallel import all_reduce_sums
+from ..distributed.data_parallel import all_reduce_sums, most_over_ranks
 from ..distributed.fsdp import reshard
 from ..models.qwen2_5_vl.parallelize import recompute
 from ..rl.losses import BatchTotals, LossStats, PolicyLossConfig, policy_loss
-from .experience import Experience, micro_batches
+from .experience import Experience, MicroBatchLimits, micro_batches
 from .scoring import ScoreRequest, Scorer
 
 
@@ -33,8 +34,9 @@ from .scoring import ScoreRequest, Scorer
 class TrainSettings:
     loss: PolicyLossConfig
     temperature: float = 1.0
-    micro_batch_size: int = 8
-    whole_groups: bool = True  # the prefix modes: a group's samples share one prefix forward
+    # how the samples are cut into micro-batches (tokens, sequences; the prefix modes keep a group's samples together
+    # where they fit, as they share one prefix forward): the step sets the plan's token budget every step
+    limits: MicroBatchLimits = field(default_factory=MicroBatchLimits)
     ppo_epochs: int = 1
     grad_clip: float = 1.0
     max_len: int = 1  # the response cap (loss aggregations that normalise by a constant length)
@@ -70,6 +72,7 @@ class TrainResult:
     recompute: dict[str, int] = field(default_factory=lambda: {"on": 0, "off": 0})
     # per choice of `recompute_for`, in order: what its micro-batch's window measured (empty without windows)
     measured_bytes: list[int] = field(default_factory=list)
+    micro_batches: int = 0  # training forwards and backwards run (micro-batches x epochs, passes included)
 
 
 def _global_stats(stats: LossStats, dp_group) -> LossStats:
@@ -97,25 +100,24 @@ def _global_totals(mask: torch.Tensor, max_len: int, dp_size: int, dp_group) -> 
     return totals
 
 
-def equal_micro_batches(batches: list[list[int]], exp: Experience, micro_batch_size: int, whole_groups: bool,
-                        dp_size: int, dp_group) -> list[tuple[list[int], bool]]:
+def equal_micro_batches(batches: list[list[int]], exp: Experience, limits: MicroBatchLimits, dp_size: int,
+                        dp_group) -> list[tuple[list[int], bool]]:
     """(micro-batch, live) pairs: this rank's micro-batches, then passes that train nothing (live False) up to the
     largest count over the data-parallel ranks.
 
     Every forward and backward of an FSDP2-sharded actor gathers parameters and reduces gradients across the ranks,
-    so all of them must run the same number; dynamic sampling drops different numbers of groups on different ranks.
-    A pass scores the groups this rank dropped (in the overlapped mode their prefixes are held like the kept ones,
-    so the pass runs the same collectives as a real micro-batch), else repeats its last micro-batch."""
+    so all of them must run the same number; dynamic sampling drops different numbers of groups on different ranks,
+    and micro-batches cut by tokens differ in number with the ranks' response lengths. A pass scores the groups this
+    rank dropped (in the overlapped mode their prefixes are held like the kept ones, so the pass runs the same
+    collectives as a real micro-batch), else repeats its last micro-batch."""
     plan = [(mb, True) for mb in batches]
     if dp_size == 1:
         return plan
-    count = torch.tensor([len(batches)], device=exp.tokens.device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
-    missing = int(count.item()) - len(batches)
+    missing = most_over_ranks(len(batches), exp.tokens.device, dp_group) - len(batches)
     if missing:
         kept = set(exp.kept_samples())
         dropped = [s for s in range(exp.tokens.shape[0]) if s not in kept]
-        spare = micro_batches(dropped, exp.group_size, micro_batch_size, whole_groups)
+        spare = micro_batches(dropped, exp.group_size, limits, exp.token_costs(limits.shares_prefix))
         repeat = (batches or spare or [list(range(exp.group_size))])[-1:]
         plan += [(mb, False) for mb in (spare + repeat * missing)[:missing]]
     return plan
@@ -124,17 +126,16 @@ def equal_micro_batches(batches: list[list[int]], exp: Experience, micro_batch_s
 def epoch_plans(exp: Experience, s: TrainSettings, rounds: Sequence[int] | None) -> list[list[tuple[int, list, bool]]]:
     """Each epoch's (round, micro-batch, live) in order: the first epoch by rounds of held prefixes (when given),
     the later ones as one round."""
-    samples = exp.kept_samples()
-    batches = equal_micro_batches(micro_batches(samples, exp.group_size, s.micro_batch_size, s.whole_groups), exp,
-                                  s.micro_batch_size, s.whole_groups, s.dp_size, s.dp_group)
+    samples, cost = exp.kept_samples(), exp.token_costs(s.limits.shares_prefix)
+    cut = lambda chosen: micro_batches(chosen, exp.group_size, s.limits, cost)
+    batches = equal_micro_batches(cut(samples), exp, s.limits, s.dp_size, s.dp_group)
     plain = [(0, mb, live) for mb, live in batches]
     first = plain
     if rounds is not None and max(rounds, default=0) > 0:
         if s.dp_size > 1:
             raise ValueError("held prefixes in rounds run on one process only (the ranks' collectives must match)")
         first = [(r, mb, True) for r in sorted(set(rounds))
-                 for mb in micro_batches([x for x in samples if rounds[x // exp.group_size] == r], exp.group_size,
-                                         s.micro_batch_size, s.whole_groups)]
+                 for mb in cut([x for x in samples if rounds[x // exp.group_size] == r])]
     return [first] + [plain] * (s.ppo_epochs - 1)
 
 
@@ -202,6 +203,7 @@ class TrainPhase:
         with window(name):  # its peak
             with recompute(self.actor, on) if on is not None else nullcontext():
                 logp, entropy = self.scorer.score(self.actor, req, s.temperature, with_entropy=epoch == 0 or bonus)
+            result.micro_batches += 1
             if on is not None:
                 result.recompute["on" if on else "off"] += 1
             old = exp.old_logprobs[idx, :width]
@@ -253,9 +255,8 @@ class TrainPhase:
 
 
 def train_phase(actor, scorer: Scorer, exp: Experience, optimizer, lr_scheduler, loss_cfg: PolicyLossConfig, *,
-                temperature: float, micro_batch_size: int, whole_groups: bool, ppo_epochs: int, grad_clip: float,
-                max_len: int, dp_size: int = 1, dp_group=None) -> TrainResult:
+                temperature: float, limits: MicroBatchLimits, ppo_epochs: int, grad_clip: float, max_len: int,
+                dp_size: int = 1, dp_group=None) -> TrainResult:
     """One TrainPhase run without memory hooks: the same update, for callers that hold no plan (tests, tools)."""
-    settings = TrainSettings(loss_cfg, temperature, micro_batch_size, whole_groups, ppo_epochs, grad_clip, max_len,
-                             dp_size, dp_group)
+    settings = TrainSettings(loss_cfg, temperature, limits, ppo_epochs, grad_clip, max_len, dp_size, dp_group)
     return TrainPhase(actor, scorer, optimizer, lr_scheduler, settings).run(exp)
