@@ -17,6 +17,8 @@
 #       # on an 80 GB H100 too
 #   run(carry=[".whl2"], needs_h200=true, command="bash benchmarks/recipes_gpu.sh parquet") # clevr_count_7b,
 #                                                                                            # geometry3k_7b
+# RECIPES_S (seconds for a target's runs) and RECIPES_ARGS (more recipes.py arguments, e.g. "--no-cycle") fit a
+# target into the device time left: RECIPES_S=300 RECIPES_ARGS=--no-cycle bash benchmarks/recipes_gpu.sh 3b
 # Results land in $OUT (recipes-<date>-<target>.json, scale-<date>-<target>.json, the logs); commit the JSON under
 # benchmarks/results/ (../shared/RESULTS.md).
 #
@@ -63,7 +65,8 @@ recipes() {  # target, then recipes.py arguments
   local target=$1; shift
   timeout -k 10 "${RECIPES_S:-560}" python3 benchmarks/recipes.py "${SET[@]}" "${PLACES[@]}" \
     --run-timeout-s "${RECIPES_S:-560}" \
-    --watchdog-s "${RECIPES_S:-560}" --out "$OUT/recipes-$stamp-$target.json" "$@" 2>&1 | tee -a "$OUT/recipes-$target.log" || true
+    --watchdog-s "${RECIPES_S:-560}" --out "$OUT/recipes-$stamp-$target.json" "$@" ${RECIPES_ARGS:-} 2>&1 \
+    | tee -a "$OUT/recipes-$target.log" || true
 }
 
 keep_logs() {  # every run's own log, one archive ($OUT takes few files)

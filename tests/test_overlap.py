@@ -232,7 +232,7 @@ def test_window_jobs_left_when_decode_ends_are_scored_by_the_ref_stage_as_in_dec
     every prompt's reference prefix; 1: it held the first prompt's, and the ref stage holds the other two."""
     import threading
 
-    from torchplex.runtime import prefixes, step
+    from torchplex.runtime import prefixes
     from torchplex.runtime.window import DecodeWindowJobs
 
     monkeypatch.setattr("torchplex.runtime.window.WINDOW_PREFIX_PROMPTS", prefix_prompts)
