@@ -1,6 +1,6 @@
 """Run the default training and make the README's headline numbers those of that run, in one command.
 
-    python tools/refresh_readme_numbers.py                    # ./run_train.sh with no arguments (12-15 min on CPU)
+    python tools/refresh_readme_numbers.py                    # ./run_train.sh with no arguments (5-15 min on 2 CPU cores)
     python tools/refresh_readme_numbers.py --from-run runs/debug --wall-s 767 --console console.txt
 
 It writes the run's summary to docs/results/debug_run.json (committed: the README's numbers are its numbers), the
