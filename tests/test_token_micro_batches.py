@@ -151,3 +151,35 @@ def test_the_config_keys_reach_the_step_and_a_budget_the_sequence_bound_cannot_r
     for key in ("micro_batch_tokens", "ref_micro_batch_tokens", "micro_batch_size"):
         with pytest.raises(ConfigError, match=f"algorithm.{key}"):
             load_config([f"--algorithm.{key}=-1"])
+
+
+def test_a_rank_whose_samples_the_window_scored_still_joins_the_other_ranks_reference_forwards(monkeypatch):
+    """A reference sharded over data-parallel ranks gathers its parameters in every forward, so every rank runs as
+    many as the busiest: a rank whose samples were all scored in the decode window (no micro-batch of its own) runs
+    the passes on a sample of its own, discarded; its log-probs are the window's."""
+    from torchplex.runtime import experience
+
+    group, width = 2, 3
+    scored = {s: torch.full((width,), -float(s + 1)) for s in range(2 * group)}
+
+    class Exp:
+        group_size, tokens, ref_logprobs = group, torch.zeros(2 * group, width, dtype=torch.long), None
+
+        def token_costs(self, shares_prefix):
+            return [width] * (2 * group)
+
+        def request(self, samples):
+            return list(samples)
+
+    class Scorer:
+        calls: list = []
+
+        def score(self, model, request, temperature):
+            self.calls.append(request)
+            return torch.zeros(len(request), width), None
+
+    monkeypatch.setattr(experience, "most_over_ranks", lambda count, device, group: count + 2)
+    exp, scorer = Exp(), Scorer()
+    experience.reference_phase(None, scorer, exp, 1.0, experience.MicroBatchLimits(tokens=width), scored=scored)
+    assert len(scorer.calls) == 2  # the busiest rank's count, none of this rank's own
+    torch.testing.assert_close(exp.ref_logprobs, torch.stack([scored[s] for s in range(2 * group)]))

@@ -171,8 +171,9 @@ def reference_phase(reference, scorer: Scorer, exp: Experience, temperature: flo
     for mb in batches:
         logp, _ = scorer.score(reference, exp.request(mb), temperature)
         out[torch.tensor(mb, device=out.device), :logp.shape[1]] = logp.float()
+    spare = batches[-1] if batches else [0]  # all of this rank's samples scored in the window: any one will do
     for _ in range(passes):
-        scorer.score(reference, exp.request(batches[-1]), temperature)
+        scorer.score(reference, exp.request(spare), temperature)
     exp.ref_logprobs = out
 
 
