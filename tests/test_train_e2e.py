@@ -196,11 +196,13 @@ def test_an_evaluation_before_the_first_step_builds_the_pool_training_uses(tmp_p
 
 # ---- 2. data parallel ------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["serial", "overlapped"])
+@pytest.mark.parametrize("mode", ["serial", "overlapped", "overlapped-frozen-tower"])
 def test_two_process_fsdp_run_matches_one_process_run(tmp_path, tiny_ckpt, synthetic_dir, uneven_reward, mode):
     """2 gloo ranks with FSDP2, each taking half of every global batch, train like one process on the whole batch.
-    In serial mode and in overlapped mode (decomposed scoring, the actor prefix fused into the rollout prefill, a
-    frozen-tower cache that must not call the FSDP2 tower unit before its root).
+    In serial mode and in overlapped mode (decomposed scoring, the actor prefix fused into the rollout prefill), also
+    with model.freeze_vision (a frozen-tower cache that must not call the FSDP2 tower unit before its root; the
+    reference, which one process gives the actor's tower, keeps its own under FSDP2: a unit of the actor's root
+    cannot join a second root, "FSDP state has already been lazily initialized for visual").
 
     Same samples (seeds follow the prompt's index in the global batch), same globally reduced metrics, same
     weights up to fp32 summation order. Adam's eps is raised from 1e-8 to 1e-6 for the weight comparison: Adam
@@ -211,7 +213,8 @@ def test_two_process_fsdp_run_matches_one_process_run(tmp_path, tiny_ckpt, synth
     """
     argv = fast_args(tiny_ckpt, synthetic_dir, tmp_path, "single", "--training.steps=3",
                      "--algorithm.kl_coef=0.05", "--algorithm.micro_batch_size=3", "--optimizer.eps=1e-6",
-                     "--checkpoint.export_hf_at_end=true", f"--runtime.mode={mode}")
+                     "--checkpoint.export_hf_at_end=true", f"--runtime.mode={mode.removesuffix('-frozen-tower')}",
+                     f"--model.freeze_vision={mode.endswith('-frozen-tower')}".lower())
     Trainer(load_config(argv)).train()
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
@@ -232,10 +235,15 @@ def test_two_process_fsdp_run_matches_one_process_run(tmp_path, tiny_ckpt, synth
     actual = load_file(tmp_path / "fsdp2" / "hf_export" / "model.safetensors")
     assert actual.keys() == expected.keys()
     initial = load_file(tiny_ckpt / "model.safetensors")
+    frozen = lambda name: mode.endswith("-frozen-tower") and name.startswith("visual.")
     for name in expected:
+        if frozen(name):
+            assert torch.equal(actual[name], initial[name]) and torch.equal(expected[name], initial[name]), name
+            continue
         assert (expected[name] - initial[name]).abs().max() > LR / 2, f"{name} did not train"  # 3 steps of ~LR
         # 1% of one Adam step: the runs differ only in the order fp32 sums are taken.
         torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0.01 * LR, msg=name)
+    assert any(map(frozen, expected)) == mode.endswith("-frozen-tower")
 
 
 UNREWARDED = "unrewarded"  # an answer whose samples all earn 0: dynamic sampling drops the group

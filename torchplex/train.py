@@ -196,8 +196,10 @@ class Trainer:
             self.engine = build_rollout_engine(self.actor, self.dims, cfg.parallelism.rollout_tp,
                                                kv_pool_bytes=int(r.kv_pool_gib * 2**30), max_batch=r.max_batch,
                                                pad_id=self.pad_id, device=self.device, least_pool=floor)
-        if self.reference is not None and cfg.model.freeze_vision:
-            self.reference.visual = self.actor.visual  # the same frozen weights: keep one copy, encode once
+        # the same frozen weights: one copy, encoded once. Not under FSDP2, where the tower is a unit of the
+        # actor's root and cannot join the reference's too: the reference keeps its own sharded copy
+        if self.reference is not None and cfg.model.freeze_vision and not (self.dims and self.dims.fsdp_enabled):
+            self.reference.visual = self.actor.visual
 
     def _build_optimizer(self) -> None:
         cfg, o = self.cfg, self.cfg.optimizer

@@ -45,7 +45,8 @@ class ModelConfig:
     hf_checkpoint: str = ""  # the Hugging Face Qwen2.5-VL folder (config.json + safetensors) to start from; required
     make_tiny_if_missing: bool = True  # build a tiny HF checkpoint at hf_checkpoint when absent (debug runs)
     dtype: Literal["float32", "bfloat16"] = "float32"  # weights and compute of actor, reference and rollout
-    freeze_vision: bool = False  # train the language model only; the vision tower is shared with the reference
+    # train the language model only; the reference shares the frozen tower (under FSDP2 it keeps its own copy)
+    freeze_vision: bool = False
     activation_checkpointing: bool = False  # recompute each decoder layer in backward instead of holding it
     compile: bool = False  # torch.compile the decoder layers' tensor functions (dynamic sizes)
     # the elementwise chains (RMSNorm, rotary, the gated MLP's product) as compiled kernels and odd-width MLPs on
