@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchplex.components.console import RunSummary, format_eval, fsdp_prefix_notice, optimizer_notice
+from torchplex.components.console import RunSummary, format_eval, optimizer_notice
 from torchplex.components.metrics import MetricsLogger
 from torchplex.models.qwen2_5_vl.build import build_model
 from torchplex.models.qwen2_5_vl.weights import CorruptCheckpointError
@@ -80,17 +80,6 @@ def test_adamw8bit_on_cpu_is_announced():
     """Defect 12: adamw8bit on CPU paused 86 s at the first step with no message."""
     assert "adamw8bit" in optimizer_notice("adamw8bit", "cpu")
     assert optimizer_notice("adamw8bit", "cuda") is None and optimizer_notice("adamw", "cpu") is None
-
-
-def test_fsdp2_runs_of_the_prefix_modes_on_torch_before_2_13_are_warned_of_naming_the_way_out():
-    """torch 2.11 crashed (SIGSEGV, no message) in the backward of held prefixes under FSDP2: the run says so first."""
-    notice = fsdp_prefix_notice("2.11.0+cu130", "overlapped", fsdp=True)
-    assert "2.11.0+cu130" in notice and 'runtime.mode = "serial"' in notice
-    assert fsdp_prefix_notice("2.12.1", "decomposed", fsdp=True)
-    assert fsdp_prefix_notice("2.11.0", "serial", fsdp=True) is None
-    assert fsdp_prefix_notice("2.11.0", "overlapped", fsdp=False) is None
-    assert fsdp_prefix_notice("2.13.0+cpu", "overlapped", fsdp=True) is None
-    assert fsdp_prefix_notice("2.14.1", "overlapped", fsdp=True) is None
 
 
 def test_summary_names_steps_evals_checkpoint_and_plot(tmp_path):

@@ -246,6 +246,46 @@ def test_two_process_fsdp_run_matches_one_process_run(tmp_path, tiny_ckpt, synth
     assert any(map(frozen, expected)) == mode.endswith("-frozen-tower")
 
 
+@pytest.mark.slow
+def test_the_deferred_prefix_backward_finds_the_fsdp2_root_gathered(tmp_path, tiny_ckpt, synthetic_dir):
+    """The held prompt prefixes' backward (DecomposedScorer) starts from their K/V and last hidden state after the
+    suffix backward has resharded the FSDP2 root unit (embeddings, final norm): torch 2.11 did not gather it again
+    there and crashed reading its freed storage (SIGSEGV in the multi-process decomposed and overlapped runs). The
+    runtime gathers it first; a launcher records, at every such backward on both ranks, whether the final norm's
+    weight is the gathered tensor (not the DTensor shard), on any torch version."""
+    record = tmp_path / "root_states"
+    script = tmp_path / "launch_train.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, sys
+        import torch
+        import torchplex.train as train
+        keep, states = train.Trainer._build_optimizer, []
+        def build_optimizer(self):
+            train.ACTOR = self.actor
+            return keep(self)
+        train.Trainer._build_optimizer = build_optimizer
+        backward = torch.autograd.backward
+        def spy(*args, **kwargs):
+            if "grad_tensors" in kwargs:  # the deferred prefixes' backward (a loss's own backward passes none)
+                states.append(type(train.ACTOR.norm.weight).__name__)
+                with open({str(record)!r} + os.environ["RANK"], "w") as f:  # a finished gloo job ends in os._exit
+                    json.dump(states, f)
+            return backward(*args, **kwargs)
+        torch.autograd.backward = spy
+        train.main(sys.argv[1:])
+    """))
+    argv = [*tiny_run_args(tiny_ckpt, synthetic_dir, tmp_path, "fsdp2"), "--runtime.mode=overlapped",
+            "--algorithm.micro_batch_size=3", "--training.steps=1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
+           "--rdzv_endpoint=localhost:0", str(script), f"--job.config_file={DEBUG_TOML}", *argv]
+    done = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    for rank in (0, 1):
+        states = json.loads((tmp_path / f"root_states{rank}").read_text())
+        assert states and "DTensor" not in states, (rank, states)  # gathered: a plain Parameter
+
+
 UNREWARDED = "unrewarded"  # an answer whose samples all earn 0: dynamic sampling drops the group
 
 

@@ -23,8 +23,7 @@ import numpy as np
 import torch
 
 from .components.checkpoint import CheckpointLoadError, CheckpointManager
-from .components.console import (RunSummary, StopRequest, format_eval, fsdp_prefix_notice, optimizer_notice,
-                                 setup_logging)
+from .components.console import RunSummary, StopRequest, format_eval, optimizer_notice, setup_logging
 from .components.metrics import METRICS_FILENAME, MetricsLogger, PhaseTimer, StepProgress, format_step_line
 from .components.optim import build_lr_scheduler, build_optimizer
 from .components.plot_metrics import plot_metrics
@@ -204,11 +203,9 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         cfg, o = self.cfg, self.cfg.optimizer
-        fsdp = bool(self.dims and self.dims.fsdp_enabled)
-        for notice in (optimizer_notice(o.name, self.device.type),
-                       fsdp_prefix_notice(torch.__version__, cfg.runtime.mode, fsdp)):
-            if notice and self.rank == 0:
-                log.warning(notice)
+        notice = optimizer_notice(o.name, self.device.type)
+        if notice and self.rank == 0:
+            log.warning(notice)
         self.optimizer = build_optimizer(self.actor, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler.warmup_steps, cfg.lr_scheduler.decay,
                                                cfg.training.steps, cfg.lr_scheduler.min_lr_ratio)

@@ -83,18 +83,6 @@ def optimizer_notice(name: str, device_type: str) -> str | None:
     return None
 
 
-def fsdp_prefix_notice(torch_version: str, mode: str, fsdp: bool) -> str | None:
-    """A warning where a crash would say nothing: FSDP2 runs of the prefix modes crashed (SIGSEGV) in the backward
-    of the held prompt prefixes in the CPU tests on torch 2.11 and ran on 2.13 (README, supported versions); 2.12 is
-    untested, so warned of too."""
-    major, minor = (int(x) for x in torch_version.split(".")[:2])
-    if fsdp and mode != "serial" and (major, minor) < (2, 13):
-        return (f"runtime.mode = {mode!r} with FSDP2 on torch {torch_version}: such runs crashed on torch 2.11 "
-                f"(SIGSEGV in the backward of the held prompt prefixes, CPU tests) and ran on 2.13; if this run stops "
-                f"with a segmentation fault, set runtime.mode = \"serial\" or use torch 2.13+")
-    return None
-
-
 # ---- the closing summary -----------------------------------------------------------------------------------------
 @dataclass
 class RunSummary:

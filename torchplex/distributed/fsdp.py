@@ -61,3 +61,12 @@ def reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def gather_root(model: nn.Module) -> None:
+    """Gather an FSDP2 root unit (embeddings, final norm, LM head) before a backward that starts from tensors of an
+    earlier forward (the held prompt prefixes), after another backward resharded it. Torch 2.11 does not gather it
+    again in such a backward and reads the freed storage (a segmentation fault); later versions gather it there, and
+    find it gathered. A no-op without FSDP2; a collective, like the backward that follows."""
+    if isinstance(model, FSDPModule):
+        model.unshard()

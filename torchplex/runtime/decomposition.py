@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from ..data.batching import collate
+from ..distributed.fsdp import gather_root
 from ..models.attention import PrefixState
 from ..models.qwen2_5_vl.parallelize import under_current_recompute
 from .prefixes import PrefixStore, merge_prefix_states, prompt_part
@@ -101,10 +102,11 @@ class DeferredPrefix:
 
     roots: list[torch.Tensor]
     leaves: list[torch.Tensor]
+    model: torch.nn.Module  # whose forward made the roots
     batched: bool = False  # the roots are slices of a batched graph: backpropagated in finish_backward
 
     @staticmethod
-    def split(state: PrefixState) -> tuple[PrefixState, "DeferredPrefix | None"]:
+    def split(state: PrefixState, model) -> tuple[PrefixState, "DeferredPrefix | None"]:
         """(the state the suffixes read, the deferred prefix part), or (state, None) when nothing needs grad."""
         roots = state.k + state.v + [state.last_hidden]
         if not any(t.requires_grad for t in roots):
@@ -113,7 +115,7 @@ class DeferredPrefix:
         layers = len(state.k)
         detached = PrefixState(leaves[:layers], leaves[layers:2 * layers], state.lengths, state.next_position,
                                leaves[-1])
-        return detached, DeferredPrefix(roots, leaves)
+        return detached, DeferredPrefix(roots, leaves, model)
 
     def gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(roots, their gradients) for the leaves the suffix backward reached."""
@@ -123,6 +125,15 @@ class DeferredPrefix:
 
     def reached(self) -> bool:
         return bool(self.gradients()[0])
+
+
+def _prefix_backward(roots: list[torch.Tensor], grads: list[torch.Tensor], models: list) -> None:
+    """The deferred prefixes' backward from their roots, the models' FSDP2 root units gathered first (the suffix
+    backward before it resharded them: `distributed.fsdp.gather_root`)."""
+    if roots:
+        for model in {id(m): m for m in models}.values():
+            gather_root(model)
+        torch.autograd.backward(roots, grad_tensors=grads)
 
 
 class DecomposedScorer:
@@ -137,7 +148,8 @@ class DecomposedScorer:
         self.checkpoint_prefix = checkpoint_prefix
         self.split_prefix_backward = split_prefix_backward
         self._deferred: list[DeferredPrefix] = []  # prefix parts of scored losses, until `backward` runs them
-        self._held_back: tuple[list, list] = ([], [])  # (roots, gradients) of batched prefixes, for finish_backward
+        # (roots, gradients, models) of batched prefixes, for finish_backward
+        self._held_back: tuple[list, list, list] = ([], [], [])
         self.vision = vision_cache or VisionCache()
         self.store = PrefixStore()
         self.counts = TokenCounts()
@@ -149,7 +161,7 @@ class DecomposedScorer:
         self.vision = vision if vision is not None else VisionCache()
         self.store = store if store is not None else PrefixStore()
         self._deferred.clear()
-        self._held_back = ([], [])
+        self._held_back = ([], [], [])
 
     def take_counts(self) -> tuple[TokenCounts, int]:
         """(the token-forwards scored since the last call, what the serial step would have scored), reset."""
@@ -164,17 +176,18 @@ class DecomposedScorer:
         held back for `finish_backward`."""
         loss.backward()
         deferred, self._deferred = self._deferred, []
-        roots, grads = [], []
+        roots, grads, models = [], [], []
         for d in deferred:
             r, g = d.gradients()
             if d.batched:
                 self._held_back[0].extend(r)
                 self._held_back[1].extend(g)
+                self._held_back[2].append(d.model)
             else:
                 roots += r
                 grads += g
-        if roots:
-            torch.autograd.backward(roots, grad_tensors=grads)
+                models.append(d.model)
+        _prefix_backward(roots, grads, models)
         for d in deferred:  # consumed; the caller's spent graph may still hold the leaves
             for leaf in d.leaves:
                 leaf.grad = None
@@ -182,10 +195,8 @@ class DecomposedScorer:
     def finish_backward(self) -> None:
         """After an epoch's last micro-batch: the held-back prefix part of the batched fused prefill, one backward
         through the whole batch's graph (each prompt's slice brings its micro-batch's gradients)."""
-        roots, grads = self._held_back
-        self._held_back = ([], [])
-        if roots:
-            torch.autograd.backward(roots, grad_tensors=grads)
+        held, self._held_back = self._held_back, ([], [], [])
+        _prefix_backward(*held)
 
     def visual_embeds(self, model, prompts, batch=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The prompts' visual embeddings: a trainable tower's forward (over `batch`, the prompts' collated batch,
@@ -241,7 +252,7 @@ class DecomposedScorer:
         computed = sum(len(p.input_ids) for p in request.prompts if not self.store.has(model, p))
         prefix, batch, batched = self._prefix(model, request.prompts)
         if self.split_prefix_backward and torch.is_grad_enabled():
-            prefix, deferred = DeferredPrefix.split(prefix)
+            prefix, deferred = DeferredPrefix.split(prefix, model)
             if deferred is not None:
                 deferred.batched = batched
                 self._deferred.append(deferred)
