@@ -76,3 +76,28 @@ def grpo_assets(tiny_ckpt) -> GRPOAssets:
             p.add_(torch.randn_like(p) * 0.01)
     reference = build_model(hf_dir=tiny_ckpt).eval().requires_grad_(False)
     return GRPOAssets(processor, prompts, actor, reference, processor.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+
+
+@pytest.fixture(scope="module")
+def rollout_prompts(tiny_ckpt):
+    """(processor, the checkpoint's model in eval mode, four encoded prompts: one image, text only, another image
+    size, two images of different sizes; the <|im_end|> id), one per test module."""
+    from PIL import Image
+
+    from torchplex.data.processing import encode_prompt, load_processor
+    from torchplex.models.qwen2_5_vl.build import build_model
+
+    processor = load_processor(tiny_ckpt)
+    model = build_model(hf_dir=tiny_ckpt).eval()
+    rng = torch.Generator().manual_seed(0)
+
+    def image(w, h):
+        return Image.fromarray(torch.randint(0, 255, (h, w, 3), generator=rng, dtype=torch.uint8).numpy())
+
+    prompts = [
+        encode_prompt(processor, "How many circles are in the image?", images=[image(56, 56)]),
+        encode_prompt(processor, "Say something about the colour red and the number 3."),
+        encode_prompt(processor, "Which is left, the square or the circle?", images=[image(84, 112)]),
+        encode_prompt(processor, "Compare.", images=[image(56, 84), image(112, 56)]),
+    ]
+    return processor, model, prompts, processor.tokenizer.convert_tokens_to_ids("<|im_end|>")

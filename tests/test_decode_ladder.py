@@ -5,11 +5,8 @@ as the engine did before the ladder): the same tokens, and fp32 log-probs within
 
 import pytest
 import torch
-from PIL import Image
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from torchplex.data.processing import encode_prompt, load_processor
-from torchplex.models.qwen2_5_vl.build import build_model
 from torchplex.rollout import decode_attention, decode_step
 from torchplex.rollout.decode_step import DecodePieces
 from torchplex.rollout.engine import PoolFloor, RolloutEngine
@@ -21,21 +18,9 @@ FULL_POOL = ()  # the ladder whose one rung is every slot of the pool
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_ckpt):
-    processor = load_processor(tiny_ckpt)
-    model = build_model(hf_dir=tiny_ckpt).eval()
-    rng = torch.Generator().manual_seed(0)
-
-    def image(w, h):
-        return Image.fromarray(torch.randint(0, 255, (h, w, 3), generator=rng, dtype=torch.uint8).numpy())
-
-    prompts = [
-        encode_prompt(processor, "How many circles are in the image?", images=[image(56, 56)]),
-        encode_prompt(processor, "Say something about the colour red and the number 3."),
-        encode_prompt(processor, "Which is left, the square or the circle?", images=[image(84, 112)]),
-        encode_prompt(processor, "Compare.", images=[image(56, 84), image(112, 56)]),
-    ]
-    return model, prompts, processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+def setup(rollout_prompts):
+    _, model, prompts, eos = rollout_prompts
+    return model, prompts, eos
 
 
 def long_tailed(model, eos, n=3, max_new=14, seed=7):

@@ -5,13 +5,10 @@ import copy
 import pytest
 import torch
 from hf_reference import hf_prompt_kwargs
-from PIL import Image
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 import torchplex.data.batching as batching
 from torchplex.data.batching import collate, encode_visuals
-from torchplex.data.processing import encode_prompt, load_processor
-from torchplex.models.qwen2_5_vl.build import build_model
 from torchplex.rollout.engine import RolloutEngine
 from torchplex.rollout.kv_pool import PoolTooSmallError
 from torchplex.rollout.sampling import SamplingParams, processed_logprobs
@@ -20,22 +17,8 @@ RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_ckpt):
-    processor = load_processor(tiny_ckpt)
-    model = build_model(hf_dir=tiny_ckpt).eval()
-    rng = torch.Generator().manual_seed(0)
-
-    def image(w, h):
-        return Image.fromarray(torch.randint(0, 255, (h, w, 3), generator=rng, dtype=torch.uint8).numpy())
-
-    prompts = [
-        encode_prompt(processor, "How many circles are in the image?", images=[image(56, 56)]),
-        encode_prompt(processor, "Say something about the colour red and the number 3."),
-        encode_prompt(processor, "Which is left, the square or the circle?", images=[image(84, 112)]),
-        encode_prompt(processor, "Compare.", images=[image(56, 84), image(112, 56)]),
-    ]
-    eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return processor, model, prompts, eos
+def setup(rollout_prompts):
+    return rollout_prompts
 
 
 def teacher_forced(model, prompt, tokens, params):

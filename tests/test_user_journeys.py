@@ -20,6 +20,8 @@ from torchplex.config import load_config
 from torchplex.rl import rewards
 from torchplex.train import USER_ERRORS, Trainer
 
+from test_train_e2e import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_TOML = REPO / "train_configs" / "debug.toml"
 
@@ -163,14 +165,6 @@ def test_the_synthetic_task_is_the_same_for_every_job_seed_and_never_rewritten_u
     for path, (data, mtime) in files.items():  # the first run's files, as it found them
         assert path.read_bytes() == data and path.stat().st_mtime_ns == mtime, path
     assert len([p for p in (tmp_path / "synthetic").iterdir() if not p.name.startswith(".")]) == 2
-
-
-def read_metrics(run_dir: Path) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        out.setdefault(record["step"], {}).update(record)
-    return out
 
 
 def test_after_a_warm_up_the_reference_is_the_warmed_up_policy(tmp_path, tiny_ckpt):
